@@ -1,0 +1,427 @@
+"""Typed, frozen configuration: YAML files merged in order, then `section.key=value` overrides.
+
+Every key is declared here with its type and allowed values; YAML files hold values only.
+Bad input raises `ConfigError` with one line naming the key, the value and what is
+allowed (and, for unknown keys, the nearest valid key). Entry points turn it into
+`maxmoe: error: ...` and exit status 2 (see `maxmoe.cli`).
+
+This module imports nothing else from maxmoe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class UserError(Exception):
+    """An error caused by the user's input; reported as one line, exit status 2."""
+
+
+class ConfigError(UserError):
+    """A bad configuration key or value."""
+
+
+def _field(default, *, choices=None, ge=None, gt=None, doc=""):
+    """A config field with its allowed values; mutable defaults are copied per instance."""
+    meta = {"choices": choices, "ge": ge, "gt": gt, "doc": doc}
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The network: DeepSeek-V3 architecture hyper-parameters (defaults: a tiny model)."""
+
+    vocab_size: int = _field(260, gt=0, doc="byte-level corpus: 256 bytes + 4 specials")
+    hidden_size: int = _field(64, gt=0)
+    num_layers: int = _field(3, gt=0, doc="main-model layers (dense + MoE)")
+    first_k_dense: int = _field(1, ge=0, doc="leading layers with a dense SwiGLU MLP")
+    mlp_dim: int = _field(128, gt=0, doc="dense SwiGLU hidden size (intermediate_size)")
+    moe_mlp_dim: int = _field(32, gt=0, doc="per-expert hidden size (moe_intermediate_size)")
+    num_heads: int = _field(4, gt=0)
+    q_lora_rank: int = _field(32, ge=0, doc="0: plain query projection")
+    kv_lora_rank: int = _field(32, gt=0)
+    qk_nope_head_dim: int = _field(16, gt=0)
+    qk_rope_head_dim: int = _field(8, gt=0)
+    v_head_dim: int = _field(16, gt=0)
+    num_experts: int = _field(8, gt=0, doc="routed experts (n_routed_experts)")
+    num_shared_experts: int = _field(1, ge=0)
+    experts_per_token: int = _field(2, gt=0, doc="top-k")
+    num_expert_groups: int = _field(4, gt=0, doc="n_group for group-limited routing")
+    topk_groups: int = _field(2, gt=0, doc="groups kept per token (topk_group)")
+    norm_topk_prob: bool = _field(True)
+    routed_scaling_factor: float = _field(2.5, gt=0)
+    score_func: str = _field("sigmoid", choices=("sigmoid", "softmax"))
+    rms_norm_eps: float = _field(1e-6, gt=0)
+    rope_theta: float = _field(10000.0, gt=0)
+    rope_scaling: str = _field("yarn", choices=("none", "yarn"))
+    rope_factor: float = _field(4.0, gt=0)
+    rope_original_max_position: int = _field(64, gt=0)
+    rope_beta_fast: float = _field(32.0, gt=0)
+    rope_beta_slow: float = _field(1.0, gt=0)
+    rope_mscale: float = _field(1.0, ge=0)
+    rope_mscale_all_dim: float = _field(1.0, ge=0)
+    max_position_embeddings: int = _field(256, gt=0)
+    mtp_num_layers: int = _field(1, ge=0, doc="multi-token prediction depth")
+    mtp_loss_weight: float = _field(0.3, ge=0)
+    compute_dtype: str = _field("bfloat16", choices=("bfloat16", "float32"))
+    remat: str = _field("none", choices=("none", "full", "save_matmuls"))
+    init_std: float = _field(0.02, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Expert dispatch and load balancing."""
+
+    dispatch: str = _field("auto", choices=("auto", "ragged_a2a", "allgather", "capacity"))
+    capacity_factor: float = _field(1.25, gt=0, doc="capacity dispatch: slots per expert / even share")
+    buffer_factor: float = _field(0.0, ge=0, doc="0: dropless receive buffers; >0 bounds them")
+    grouped_matmul: str = _field("ragged_dot", choices=("ragged_dot", "dense_loop"))
+    emulate_ragged_a2a: str = _field("auto", choices=("auto", "true", "false"),
+                                     doc="auto: emulate where the backend lacks ragged all-to-all")
+    bias_update_rate: float = _field(0.001, ge=0, doc="aux-loss-free bias step (DeepSeek-V3: 0.001)")
+    seq_aux_alpha: float = _field(0.0001, ge=0, doc="sequence-wise balance loss weight")
+
+
+DEFAULT_RULES = {
+    "batch": ["data", "expert"],
+    "seq": [],
+    "embed": ["fsdp"],
+    "heads": ["tensor"],
+    "kv_heads": ["tensor"],
+    "q_lora": [],
+    "kv_lora": [],
+    "head_dim": [],
+    "mlp": ["tensor"],
+    "expert": ["expert"],
+    "expert_mlp": ["tensor"],
+    "vocab": ["tensor"],
+    "layers": [],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh and logical-to-mesh sharding rules (see docs/SHARDING.md)."""
+
+    data: int = _field(1, doc="-1 fills the remaining devices")
+    expert: int = _field(1)
+    tensor: int = _field(1)
+    fsdp: bool = _field(False, doc="shard params, grads and optimizer state over data")
+    scale_up_domain: int = _field(0, ge=0, doc="devices per NVLink domain; 0: auto")
+    allow_cross_domain: bool = _field(False)
+    rules: dict = _field(DEFAULT_RULES, doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and the loop."""
+
+    steps: int = _field(300, gt=0)
+    batch_size: int = _field(16, gt=0, doc="global sequences per step")
+    seq_len: int = _field(128, gt=0)
+    seed: int = _field(0, ge=0)
+    grad_accum: int = _field(1, gt=0, doc="micro-batches per step")
+    lr: float = _field(3e-3, gt=0)
+    schedule: str = _field("cosine", choices=("cosine", "wsd", "constant"))
+    warmup_steps: int = _field(30, ge=0)
+    min_lr_ratio: float = _field(0.1, ge=0)
+    decay_fraction: float = _field(0.2, ge=0, doc="wsd: final fraction of steps that decays")
+    b1: float = _field(0.9, ge=0)
+    b2: float = _field(0.95, ge=0)
+    eps: float = _field(1e-8, gt=0)
+    weight_decay: float = _field(0.1, ge=0)
+    clip_norm: float = _field(1.0, ge=0, doc="0: no clipping")
+    log_every: int = _field(10, gt=0)
+    eval_every: int = _field(100, gt=0)
+    eval_batches: int = _field(4, gt=0)
+    max_bad_steps: int = _field(5, gt=0, doc="consecutive non-finite steps before stopping")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = _field("stdlib", choices=("stdlib", "synthetic", "shards"))
+    path: str = _field("", doc="shards: folder written by `python -m maxmoe.data prepare`")
+    cache_dir: str = _field("", doc="stdlib token cache; empty: ~/.cache/maxmoe")
+    eval_fraction: float = _field(0.05, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpointing."""
+
+    every: int = _field(0, ge=0, doc="0: only at the end")
+    keep: int = _field(3, gt=0)
+    keep_every: int = _field(0, ge=0, doc="also keep every N-th step; 0: off")
+    resume: bool = _field(True)
+    init_from: str = _field("", doc="initialise parameters only from this checkpoint")
+    async_save: bool = _field(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where output goes and how the process runs."""
+
+    dir: str = _field("runs/default")
+    cpu_devices: int = _field(0, ge=0, doc="on a CPU host: N host devices; 0: leave as is")
+    tensorboard: bool = _field(False)
+    peak_tflops: float = _field(0.0, ge=0, doc="per-device peak for MFU; 0: from the device kind")
+    profile_steps: list = _field([], doc="[first, last] steps to trace with jax.profiler")
+    progress: str = _field("auto", choices=("auto", "bar", "plain"))
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    """XLA flag profiles (maxmoe.xla_flags)."""
+
+    profile: str = _field("auto", choices=("auto", "none", "h100", "h200", "b200", "gb200", "gb300"))
+    extra_flags: list = _field([], doc="more XLA flags, e.g. ['--xla_gpu_enable_command_buffer=']")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+    """Multi-process runtime (jax.distributed)."""
+
+    mode: str = _field("auto", choices=("auto", "none", "explicit"))
+    coordinator_address: str = _field("")
+    num_processes: int = _field(0, ge=0)
+    process_id: int = _field(-1, ge=-1)
+    timeout_s: int = _field(300, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole resolved configuration."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    xla: XlaConfig = dataclasses.field(default_factory=XlaConfig)
+    dist: DistConfig = dataclasses.field(default_factory=DistConfig)
+
+    def replace(self, **sections) -> "Config":
+        """A copy with whole sections replaced."""
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_CLASSES = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str, candidates: list[str]) -> ConfigError:
+    near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.4)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, kind: type, meta: dict) -> Any:
+    """Check one value against its declared type and limits; return it in that type."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected true or false")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r}: expected a finite number")
+    elif kind is str:
+        if value is None:
+            value = ""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+    elif kind is list:
+        if value is None:
+            value = []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list like [a, b]")
+        value = list(value)
+    elif kind is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping like {{a: [b]}}")
+    choices, ge, gt = meta.get("choices"), meta.get("ge"), meta.get("gt")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, choices))}")
+    if ge is not None and value < ge:
+        raise ConfigError(f"{key}={value!r}: must be >= {ge}")
+    if gt is not None and value <= gt:
+        raise ConfigError(f"{key}={value!r}: must be > {gt}")
+    return value
+
+
+def _merge_section(section: str, current: dict, updates: Any, source: str) -> None:
+    if not isinstance(updates, dict):
+        raise ConfigError(f"{source}: section '{section}' must be a mapping of keys to values")
+    cls = _SECTION_CLASSES[section]
+    names = {f.name for f in dataclasses.fields(cls)}
+    for name, value in updates.items():
+        if name not in names:
+            raise _unknown(f"{section}.{name}", _all_keys())
+        current[name] = value
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merge YAML `files` in order over the defaults, apply `section.key=value` overrides, validate."""
+    raw: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
+    for path in files:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            doc = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f" (line {line + 1})" if line is not None else ""
+            raise ConfigError(f"{path}{where}: not valid YAML") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections")
+        for section, updates in doc.items():
+            if section not in raw:
+                raise _unknown(str(section), list(_SECTION_CLASSES))
+            _merge_section(section, raw[section], updates, path)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if "." not in key:
+            raise _unknown(key, _all_keys())
+        section, name = key.split(".", 1)
+        if section not in raw:
+            raise _unknown(key, _all_keys())
+        _merge_section(section, raw[section], {name: _parse_scalar(text)}, "override")
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, dict]) -> Config:
+    """Type-check a nested dict of sections and build a validated Config."""
+    sections = {}
+    for section, cls in _SECTION_CLASSES.items():
+        hints = typing.get_type_hints(cls)
+        values = dict(raw.get(section, {}))
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for name in values:
+            if name not in known:
+                raise _unknown(f"{section}.{name}", _all_keys())
+        for name, value in list(values.items()):
+            kind = typing.get_origin(hints[name]) or hints[name]
+            values[name] = _coerce(f"{section}.{name}", value, kind, known[name].metadata)
+        sections[section] = cls(**values)
+    for section in raw:
+        if section not in sections:
+            raise _unknown(str(section), list(_SECTION_CLASSES))
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks that need no devices (mesh sizes are checked again in maxmoe.mesh)."""
+    m, t, mesh = config.model, config.train, config.mesh
+    if m.first_k_dense > m.num_layers:
+        raise ConfigError(f"model.first_k_dense={m.first_k_dense} exceeds model.num_layers={m.num_layers}")
+    if m.experts_per_token > m.num_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts={m.num_experts}")
+    if m.num_experts % m.num_expert_groups:
+        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by model.num_expert_groups={m.num_expert_groups}")
+    if m.topk_groups > m.num_expert_groups:
+        raise ConfigError(f"model.topk_groups={m.topk_groups} exceeds model.num_expert_groups={m.num_expert_groups}")
+    per_group = m.num_experts // m.num_expert_groups
+    if m.num_expert_groups > 1 and per_group < 2 and m.score_func == "sigmoid":
+        raise ConfigError(f"group-limited routing needs >= 2 experts per group (group score = top-2 sum); "
+                          f"got {per_group} with model.num_expert_groups={m.num_expert_groups}")
+    if m.topk_groups * per_group < m.experts_per_token:
+        raise ConfigError(f"model.topk_groups={m.topk_groups} groups of {per_group} experts cannot supply "
+                          f"model.experts_per_token={m.experts_per_token}")
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
+    for axis in ("data", "expert", "tensor"):
+        size = getattr(mesh, axis)
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size}: must be a positive size or -1 (fill)")
+    if sum(getattr(mesh, a) == -1 for a in ("data", "expert", "tensor")) > 1:
+        raise ConfigError("only one of mesh.data, mesh.expert, mesh.tensor may be -1")
+    for logical, axes in mesh.rules.items():
+        if logical not in DEFAULT_RULES:
+            raise _unknown(f"mesh.rules.{logical}", [f"mesh.rules.{k}" for k in DEFAULT_RULES])
+        if not isinstance(axes, (list, tuple)) or any(a not in ("data", "expert", "tensor", "fsdp") for a in axes):
+            raise ConfigError(f"mesh.rules.{logical}={axes!r}: expected a list of data, expert, tensor, fsdp")
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    if config.data.source == "shards" and not config.data.path:
+        raise ConfigError("data.source=shards needs data.path (a folder made by `python -m maxmoe.data prepare`)")
+    ps = config.run.profile_steps
+    if ps and (len(ps) != 2 or not all(isinstance(s, int) and s >= 0 for s in ps) or ps[0] > ps[1]):
+        raise ConfigError(f"run.profile_steps={ps!r}: expected [first, last] step numbers")
+    if config.dist.mode == "explicit" and (not config.dist.coordinator_address or config.dist.num_processes < 1
+                                           or config.dist.process_id < 0):
+        raise ConfigError("dist.mode=explicit needs dist.coordinator_address, dist.num_processes and dist.process_id")
+    check_mesh_fits(config, mesh_sizes(config))
+
+
+def mesh_sizes(config: Config) -> dict[str, int]:
+    """The configured mesh sizes; -1 stays -1 until devices are known (maxmoe.mesh resolves it)."""
+    return {a: getattr(config.mesh, a) for a in ("data", "expert", "tensor")}
+
+
+def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
+    """Divisibility of the model and batch by the mesh axes; axes of size -1 are skipped."""
+    m, t = config.model, config.train
+    tensor, expert, data = sizes["tensor"], sizes["expert"], sizes["data"]
+    if tensor > 0:
+        if m.num_heads % tensor:
+            raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by mesh.tensor={tensor}")
+        for name in ("mlp_dim", "moe_mlp_dim", "vocab_size"):
+            if getattr(m, name) % tensor:
+                raise ConfigError(f"model.{name}={getattr(m, name)} is not divisible by mesh.tensor={tensor}")
+    if expert > 0 and m.num_experts % expert:
+        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert}")
+    if data > 0 and expert > 0:
+        shards = data * expert
+        micro = t.batch_size // t.grad_accum
+        if micro % shards:
+            raise ConfigError(f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} = {micro} sequences "
+                              f"per micro-batch is not divisible by mesh.data x mesh.expert = {shards}")
+
+
+def dtype_of(name: str):
+    """The jax dtype for a config dtype name."""
+    import jax.numpy as jnp
+
+    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]

@@ -1,0 +1,105 @@
+"""Parameter counts, model FLOPs per token, and the hardware peak table for MFU.
+
+Counts come from the model's own abstract parameters (jax.eval_shape; nothing is
+allocated), so they cannot drift from the code. FLOPs follow the usual convention:
+
+    flops_per_token = 6 * (active matmul parameters of the main model, output head included,
+                           embedding lookup excluded)
+                    + 6 * (active matmul parameters of each MTP depth, its own head matmul
+                           included since the shared head runs once more per depth)
+                    + attention core: 6 * (causal) * L * T * H * (qk_head_dim + v_head_dim)
+                      per token for each attention layer, with the causal half
+                      (T/2 keys on average): 3 * T * H * (dk + dv) per layer.
+
+6 = 2 (multiply-add) x 3 (forward + backward for inputs + backward for weights).
+Activated experts: top-k routed experts + shared experts of each MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+
+from maxmoe.config import ModelConfig
+
+# Dense bf16 peak TFLOP/s per device (datasheet, without sparsity).
+PEAK_TFLOPS_BF16 = {
+    "h100": 989.0,
+    "h200": 989.0,
+    "b200": 2250.0,
+    "gb200": 2500.0,
+    "gb300": 2500.0,
+}
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """Datasheet dense bf16 peak for a jax device_kind string, or None if unknown."""
+    kind = device_kind.lower().replace(" ", "").replace("-", "")
+    for name in ("gb300", "gb200", "b200", "h200", "h100"):
+        if name in kind:
+            return PEAK_TFLOPS_BF16[name]
+    return None
+
+
+def abstract_params(model: ModelConfig):
+    """Shapes of all variables (no allocation)."""
+    from maxmoe.model.transformer import init_variables
+
+    return jax.eval_shape(lambda: nn.unbox(init_variables(model, jax.random.key(0))))
+
+
+def _size(tree) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def count_params(model: ModelConfig) -> dict[str, int]:
+    """Trainable parameter counts: params_total (main model), params_mtp (MTP modules beyond the
+    shared embedding and head), params_active (per token, main model, embedding and head included).
+
+    Router correction biases are state, not parameters, and are not counted (nor are they in
+    the published 671B figure)."""
+    params = abstract_params(model)["params"]
+    mtp = _size({k: v for k, v in params.items() if k.startswith("mtp_")})
+    total = _size(params) - mtp
+    moe_layers = model.num_layers - model.first_k_dense
+    per_expert = 3 * model.hidden_size * model.moe_mlp_dim
+    inactive = moe_layers * (model.num_experts - model.experts_per_token) * per_expert
+    return {"params_total": total, "params_mtp": mtp, "params_active": total - inactive}
+
+
+def _attention_params(m: ModelConfig) -> int:
+    d, h = m.hidden_size, m.num_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = d * m.q_lora_rank + m.q_lora_rank * h * qk if m.q_lora_rank else d * h * qk
+    kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + h * m.v_head_dim * d
+
+
+def _moe_active_matmul_params(m: ModelConfig) -> int:
+    return 3 * m.hidden_size * m.moe_mlp_dim * (m.experts_per_token + m.num_shared_experts) + m.hidden_size * m.num_experts
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Training model FLOPs per token (see the module docstring), MTP included."""
+    dense_mlp = 3 * m.hidden_size * m.mlp_dim
+    attn = _attention_params(m)
+    moe_layers = m.num_layers - m.first_k_dense
+    matmul_params = (m.num_layers * attn + m.first_k_dense * dense_mlp + moe_layers * _moe_active_matmul_params(m)
+                     + m.hidden_size * m.vocab_size)
+    mtp_params = m.mtp_num_layers * (2 * m.hidden_size * m.hidden_size + attn + _moe_active_matmul_params(m)
+                                     + m.hidden_size * m.vocab_size)
+    attention_layers = m.num_layers + m.mtp_num_layers
+    core = 3 * seq_len * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return 6.0 * (matmul_params + mtp_params) + attention_layers * core
+
+
+def mfu(tokens_per_s_per_device: float, flops_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation, or None without a peak."""
+    if not peak:
+        return None
+    return tokens_per_s_per_device * flops_token / (peak * 1e12)
+
+
+__all__ = ["PEAK_TFLOPS_BF16", "peak_tflops", "count_params", "flops_per_token", "mfu"]

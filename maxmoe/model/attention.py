@@ -1,0 +1,75 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3).
+
+Queries go through a low-rank latent (q_lora_rank; 0 means a plain projection). Keys and
+values come from one compressed latent of kv_lora_rank, normalised, then expanded per head.
+Each head's query/key is [nope | rope]: the rope part of the key is one vector shared by all
+heads (decoupled RoPE), so the cache would hold only the latent and one rope key.
+
+Axis legend: B batch, T query time, S key time, D embed, H heads, K head dim, L latent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxmoe.model.layers import RMSNorm, constrain, logical_param
+from maxmoe.model.rope import apply_rope, attention_scale
+
+
+def causal_attention(q_BTHK, k_BSHK, v_BSHK, scale: float) -> jax.Array:
+    """Softmax(q k^T * scale) v with a causal mask; scores and softmax in float32."""
+    scores = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
+    t, s = q_BTHK.shape[1], k_BSHK.shape[1]
+    mask_TS = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
+    scores = jnp.where(mask_TS, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSHK.dtype)
+    return jnp.einsum("bhts,bshk->bthk", probs, v_BSHK)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention over a causal sequence."""
+
+    config: Any  # ModelConfig
+    dtype: Any = jnp.float32
+    layout: Any = None
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        c = self.config
+        d, h, nope, rope, v = c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        std, dt = c.init_std, self.dtype
+
+        def param(name, shape, axes):
+            return logical_param(self, name, shape, axes, std=std).astype(dt)
+
+        x = x_BTD.astype(dt)
+        if c.q_lora_rank:
+            q_latent = x @ param("w_q_down", (d, c.q_lora_rank), ("embed", "q_lora"))
+            q_latent = RMSNorm(c.rms_norm_eps, "q_lora", name="q_norm")(q_latent)
+            q_BTHK = jnp.einsum("btl,lhk->bthk", q_latent, param("w_q_up", (c.q_lora_rank, h, nope + rope),
+                                                                   ("q_lora", "heads", "head_dim")))
+        else:
+            q_BTHK = jnp.einsum("btd,dhk->bthk", x, param("w_q", (d, h, nope + rope), ("embed", "heads", "head_dim")))
+        q_BTHK = constrain(self.layout, q_BTHK, ("batch", "seq", "heads", "head_dim"))
+        q_nope, q_rope = q_BTHK[..., :nope], q_BTHK[..., nope:]
+
+        kv_latent = x @ param("w_kv_down", (d, c.kv_lora_rank), ("embed", "kv_lora"))
+        kv_latent = RMSNorm(c.rms_norm_eps, "kv_lora", name="kv_norm")(kv_latent)
+        k_rope_BT1R = (x @ param("w_k_rope", (d, rope), ("embed", "head_dim")))[:, :, None, :]
+        k_nope = jnp.einsum("btl,lhk->bthk", kv_latent, param("w_k_up", (c.kv_lora_rank, h, nope),
+                                                                ("kv_lora", "heads", "head_dim")))
+        v_BSHK = jnp.einsum("btl,lhk->bthk", kv_latent, param("w_v_up", (c.kv_lora_rank, h, v),
+                                                                ("kv_lora", "heads", "head_dim")))
+
+        q_rope = apply_rope(q_rope, positions_BT, c)
+        k_rope_BT1R = apply_rope(k_rope_BT1R, positions_BT, c)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BT1R, k_nope.shape[:3] + (rope,))], axis=-1)
+        k = constrain(self.layout, k, ("batch", "seq", "heads", "head_dim"))
+        out_BTHK = causal_attention(q, k, v_BSHK, attention_scale(c))
+        out_BTHK = constrain(self.layout, out_BTHK, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("bthk,hkd->btd", out_BTHK, param("w_out", (h, v, d), ("heads", "head_dim", "embed")))

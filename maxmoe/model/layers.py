@@ -1,0 +1,75 @@
+"""Building blocks: parameters with logical axes, RMSNorm, embedding, SwiGLU MLP.
+
+Axis legend: B batch, T time, D embed, F mlp, V vocab.
+Parameters are float32; matmuls run in the module's compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
+                  init: Callable | None = None, std: float = 0.02) -> jax.Array:
+    """A float32 parameter whose dimensions carry logical axis names (for the sharding rules)."""
+    init = init or nn.initializers.normal(stddev=std)
+    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), jnp.float32)
+
+
+def constrain(layout: Any, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Ask the layout (built by maxmoe.mesh) to shard an activation; identity without one."""
+    return x if layout is None else layout.constrain(x, tuple(axes))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32, with a learned scale."""
+
+    eps: float = 1e-6
+    axis: str | None = "embed"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = logical_param(self, "scale", (x.shape[-1],), (self.axis,), nn.initializers.ones)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(x.dtype)
+
+
+class Embed(nn.Module):
+    """Token embedding table [V, D]."""
+
+    vocab_size: int
+    hidden_size: int
+    dtype: Any = jnp.float32
+    std: float = 0.02
+
+    @nn.compact
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        table_VD = logical_param(self, "embedding", (self.vocab_size, self.hidden_size), ("vocab", "embed"),
+                                 std=self.std)
+        return jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Dense gated MLP: down(silu(x @ gate) * (x @ up))."""
+
+    hidden_size: int
+    mlp_dim: int
+    dtype: Any = jnp.float32
+    std: float = 0.02
+    layout: Any = None
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        d, f = self.hidden_size, self.mlp_dim
+        w_gate_DF = logical_param(self, "w_gate", (d, f), ("embed", "mlp"), std=self.std).astype(self.dtype)
+        w_up_DF = logical_param(self, "w_up", (d, f), ("embed", "mlp"), std=self.std).astype(self.dtype)
+        w_down_FD = logical_param(self, "w_down", (f, d), ("mlp", "embed"), std=self.std).astype(self.dtype)
+        x = x_BTD.astype(self.dtype)
+        h_BTF = nn.silu(x @ w_gate_DF) * (x @ w_up_DF)
+        h_BTF = constrain(self.layout, h_BTF, ("batch", "seq", "mlp"))
+        return h_BTF @ w_down_FD

@@ -1,0 +1,135 @@
+"""DeepSeek-V3: embedding -> scanned dense stack -> scanned MoE stack -> norm -> head, plus MTP.
+
+Axis legend: B batch, T time, D embed, V vocab.
+
+Variables: `params` (trainable, float32), `router` (correction biases, state),
+`moe_stats` (per-call expert load, balance loss and dropped fraction; apply with
+mutable=["moe_stats"] to read them). Scanned stacks put a leading `layers` axis on every
+variable, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxmoe.config import ModelConfig, dtype_of
+from maxmoe.model.attention import MLA
+from maxmoe.model.layers import Embed, RMSNorm, SwiGLU, constrain, logical_param
+from maxmoe.model.moe import MoE
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: x + MLA(norm(x)), then + MLP or MoE of the norm."""
+
+    config: ModelConfig
+    moe: bool
+    dtype: Any = jnp.float32
+    layout: Any = None
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array):
+        c = self.config
+        attn_in = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD)
+        h = x_BTD + MLA(c, self.dtype, self.layout, name="attention")(attn_in, positions_BT).astype(x_BTD.dtype)
+        mlp_in = RMSNorm(c.rms_norm_eps, name="mlp_norm")(h)
+        if self.moe:
+            y = MoE(c, self.dtype, self.layout, name="moe")(mlp_in)
+        else:
+            y = SwiGLU(c.hidden_size, c.mlp_dim, self.dtype, c.init_std, self.layout, name="mlp")(mlp_in)
+        out = constrain(self.layout, h + y.astype(h.dtype), ("batch", "seq", "embed"))
+        return out, None
+
+
+def _stack(config: ModelConfig, moe: bool, length: int, name: str, dtype, layout):
+    """A scanned stack of `length` identical blocks."""
+    block = Block
+    if config.remat != "none":
+        block = nn.remat(Block, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
+    scanned = nn.scan(block, variable_axes={"params": 0, "router": 0, "moe_stats": 0},
+                      split_rngs={"params": True}, in_axes=(nn.broadcast,), length=length,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(config, moe, dtype, layout, name=name)
+
+
+class MTPLayer(nn.Module):
+    """Multi-token prediction depth k: combine h^{k-1} with the embedding of token t+k, one MoE block."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    layout: Any = None
+
+    @nn.compact
+    def __call__(self, h_prev_BTD, emb_next_BTD, positions_BT):
+        c = self.config
+        emb = RMSNorm(c.rms_norm_eps, name="emb_norm")(emb_next_BTD)
+        hid = RMSNorm(c.rms_norm_eps, name="hidden_norm")(h_prev_BTD)
+        w_proj = logical_param(self, "w_proj", (2 * c.hidden_size, c.hidden_size), (None, "embed"), std=c.init_std)
+        h = jnp.concatenate([emb, hid], axis=-1).astype(self.dtype) @ w_proj.astype(self.dtype)
+        h, _ = Block(c, moe=True, dtype=self.dtype, layout=self.layout, name="block")(h, positions_BT)
+        return h, RMSNorm(c.rms_norm_eps, name="out_norm")(h)
+
+
+def shift_left(x_BT: jax.Array, k: int) -> jax.Array:
+    """x[:, t + k] at position t; the last k positions are zero (masked by the loss)."""
+    return jnp.pad(x_BT[:, k:], ((0, 0), (0, k)))
+
+
+class Transformer(nn.Module):
+    """The DeepSeek-V3 language model; returns main logits and MTP logits (fp32)."""
+
+    config: ModelConfig
+    layout: Any = None
+
+    @nn.compact
+    def __call__(self, tokens_BT: jax.Array):
+        c = self.config
+        dtype = dtype_of(c.compute_dtype)
+        b, t = tokens_BT.shape
+        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        embed = Embed(c.vocab_size, c.hidden_size, dtype, c.init_std, name="embed")
+        x = constrain(self.layout, embed(tokens_BT), ("batch", "seq", "embed"))
+        if c.first_k_dense:
+            x, _ = _stack(c, False, c.first_k_dense, "dense_layers", dtype, self.layout)(x, positions_BT)
+        if c.num_layers > c.first_k_dense:
+            x, _ = _stack(c, True, c.num_layers - c.first_k_dense, "moe_layers", dtype, self.layout)(x, positions_BT)
+        w_head_DV = logical_param(self, "head", (c.hidden_size, c.vocab_size), ("embed", "vocab"), std=c.init_std)
+
+        def head(h_BTD):
+            out = jnp.einsum("btd,dv->btv", h_BTD.astype(dtype), w_head_DV.astype(dtype),
+                             preferred_element_type=jnp.float32)
+            return constrain(self.layout, out, ("batch", "seq", "vocab"))
+
+        logits_BTV = head(RMSNorm(c.rms_norm_eps, name="final_norm")(x))
+        mtp_logits = []
+        h = x
+        for k in range(1, c.mtp_num_layers + 1):
+            h, normed = MTPLayer(c, dtype, self.layout, name=f"mtp_{k - 1}")(h, embed(shift_left(tokens_BT, k)),
+                                                                              positions_BT)
+            mtp_logits.append(head(normed))
+        return logits_BTV, mtp_logits
+
+
+def build_model(config: ModelConfig, layout: Any = None) -> Transformer:
+    """The network for a model config; `layout` (maxmoe.mesh) shards activations and experts."""
+    return Transformer(config, layout)
+
+
+def init_variables(config: ModelConfig, rng: jax.Array, layout: Any = None, batch: int = 1, seq: int = 8):
+    """Boxed variables (params with logical axes, router biases, stats) for the config."""
+    return build_model(config, layout).init(rng, jnp.zeros((batch, seq), jnp.int32))
+
+
+def logits(config: ModelConfig, variables: dict, tokens_BT) -> jax.Array:
+    """Main-model logits [B, T, V] (float32) for int token ids [B, T]; variables hold params and router."""
+    variables = {k: v for k, v in nn.unbox(variables).items() if k in ("params", "router")}
+    out, _ = build_model(config).apply(variables, jnp.asarray(tokens_BT, jnp.int32), mutable=["moe_stats"])
+    return out[0]

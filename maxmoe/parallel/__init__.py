@@ -1,0 +1,1 @@
+"""Sharding-aware pieces: shard_map dispatch, collectives, grouped matmuls."""
