@@ -1,0 +1,1 @@
+"""Checkpoint conversion: DeepSeek-V3 / Hugging Face safetensors <-> maxmoe parameters."""

@@ -1,0 +1,170 @@
+"""Devices -> a named (data, expert, tensor) mesh laid over scale-up domains; logical->mesh rules.
+
+A scale-up domain is a set of devices on one fast fabric (an NVLink rack such as a GB300
+NVL72: 72 GPUs; an HGX H100/H200 node: 8). The MoE all-to-all (`expert`) and the
+tensor-parallel reductions (`tensor`) are the chatty collectives, so the builder keeps both
+inside one domain: devices are ordered by (domain, process, local id), `tensor` is the
+innermost (fastest varying) axis, `expert` next, and `data` outermost, spanning domains.
+Only gradient reductions (and FSDP gathers) cross domains.
+
+Logical axis rules are data (`mesh.rules`, docs/SHARDING.md): each logical axis maps to a
+list of mesh axes; the virtual axis `fsdp` means `data` when `mesh.fsdp` is on and nothing
+otherwise. When a tensor names two logical axes that map to the same mesh axis, the first
+dimension (left to right) takes it and later ones drop it, so activations
+[batch, seq, embed] shard batch over (data, expert) while weights [embed, ...] shard embed
+over data under FSDP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxmoe.config import Config, ConfigError, check_mesh_fits
+
+AXES = ("data", "expert", "tensor")
+
+
+def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
+    """Mesh sizes for `num_devices`, filling the one -1 axis; checks the product and divisibility."""
+    sizes = {a: getattr(config.mesh, a) for a in AXES}
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    fill = [a for a, s in sizes.items() if s == -1]
+    if fill:
+        if num_devices % fixed:
+            raise ConfigError(f"cannot fill mesh.{fill[0]}: {num_devices} devices are not divisible by "
+                              f"the other axes' product {fixed}")
+        sizes[fill[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ConfigError(f"mesh {shape} = {math.prod(sizes.values())} devices, but {num_devices} are available "
+                          f"(set one axis to -1 to fill)")
+    check_mesh_fits(config, sizes)
+    return sizes
+
+
+def device_domains(devices: Sequence[Any], scale_up_domain: int) -> list[int]:
+    """The scale-up domain index of each device.
+
+    With `scale_up_domain` = 0: the platform's slice index where it reports one, else one
+    domain per process (a node). With N > 0: consecutive blocks of N devices in
+    (process, id) order.
+    """
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    rank = {d.id: i for i, d in enumerate(ordered)}
+    if scale_up_domain > 0:
+        return [rank[d.id] // scale_up_domain for d in devices]
+    slices = [getattr(d, "slice_index", None) for d in devices]
+    if all(s is not None for s in slices) and len(set(slices)) > 1:
+        return [int(s) for s in slices]
+    return [d.process_index for d in devices]
+
+
+def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
+    """The (data, expert, tensor) mesh with expert x tensor groups inside scale-up domains."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = resolve_shape(config, len(devices))
+    domains = device_domains(devices, config.mesh.scale_up_domain)
+    order = sorted(range(len(devices)), key=lambda i: (domains[i], devices[i].process_index, devices[i].id))
+    ordered = [devices[i] for i in order]
+    inner = sizes["expert"] * sizes["tensor"]
+    domain_size = min(domains.count(d) for d in set(domains))
+    if inner > domain_size or domain_size % inner:
+        message = (f"mesh.expert x mesh.tensor = {inner} devices do not fit evenly in a scale-up domain of "
+                   f"{domain_size} devices; expert and tensor traffic would cross the slow network")
+        if not config.mesh.allow_cross_domain:
+            raise ConfigError(message + " (set mesh.allow_cross_domain=true to build it anyway)")
+        warnings.warn(message, stacklevel=2)
+    grid = np.array(ordered, dtype=object).reshape(sizes["data"], sizes["expert"], sizes["tensor"])
+    return Mesh(grid, AXES)
+
+
+def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
+    """Logical axis -> mesh axes, with `fsdp` replaced by data (on) or dropped (off)."""
+    rules = {}
+    for logical, axes in config.mesh.rules.items():
+        resolved = []
+        for axis in axes:
+            if axis == "fsdp":
+                axis = "data" if config.mesh.fsdp else None
+            if axis and axis not in resolved:
+                resolved.append(axis)
+        rules[logical] = tuple(resolved)
+    return rules
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: dict[str, tuple[str, ...]],
+                    mesh_shape: dict[str, int] | None = None) -> PartitionSpec:
+    """PartitionSpec for logical axes; a mesh axis goes to the first dimension that asks for it.
+
+    Axes of size 1 are left out, so specs stay readable.
+    """
+    used: set[str] = set()
+    spec = []
+    for name in logical_axes:
+        axes = [a for a in rules.get(name, ()) if name is not None and a not in used
+                and (mesh_shape is None or mesh_shape.get(a, 1) > 1)]
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*spec)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """A mesh with its rules: what the model and the train step use to place arrays.
+
+    The model calls `constrain(x, logical_axes)` and reads `dispatch_plan`; it never names
+    a mesh axis itself.
+    """
+
+    mesh: Mesh
+    rules: dict
+    dispatch_plan: Any = None
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
+        return logical_to_spec(logical_axes, self.rules, self.shape)
+
+    def sharding(self, logical_axes: Sequence[str | None]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes))
+
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+        if self.mesh.size == 1:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def tree_shardings(self, boxed_tree) -> Any:
+        """NamedShardings for a tree of flax-boxed variables (unboxed leaves are replicated)."""
+        logical = nn.get_partition_spec(boxed_tree)
+        return jax.tree.map(lambda spec: self.sharding(tuple(spec) if spec is not None else ()), logical,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+
+def build_layout(config: Config, devices: Sequence[Any] | None = None) -> Layout:
+    """The mesh, its rules and (on more than one device) the expert dispatch plan."""
+    mesh = build_mesh(config, devices)
+    rules = resolve_rules(config)
+    plan = None
+    if mesh.size > 1:
+        from maxmoe.parallel.dispatch import make_dispatch_plan
+
+        plan = make_dispatch_plan(mesh, config.moe, token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
+                                  expert_axis="expert", tensor_axis="tensor",
+                                  weight_specs={name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in
+                                                (("w_gate", ("expert", "embed", "expert_mlp")),
+                                                 ("w_up", ("expert", "embed", "expert_mlp")),
+                                                 ("w_down", ("expert", "expert_mlp", "embed")))})
+    return Layout(mesh, rules, plan)
