@@ -108,9 +108,10 @@ class Transformer(nn.Module):
                              preferred_element_type=jnp.float32)
             return constrain(self.layout, out, ("batch", "seq", "vocab"))
 
-        logits_BTV = head(RMSNorm(c.rms_norm_eps, name="final_norm")(x))
+        normed_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
+        logits_BTV = head(normed_BTD)
         mtp_logits = []
-        h = x
+        h = normed_BTD  # MTP depth 1 reads the final-normed hidden state, as the release's MTP does
         for k in range(1, c.mtp_num_layers + 1):
             h, normed = MTPLayer(c, dtype, self.layout, name=f"mtp_{k - 1}")(h, embed(shift_left(tokens_BT, k)),
                                                                               positions_BT)

@@ -1,21 +1,54 @@
-"""Routed-expert computation: token copies sorted by expert, grouped SwiGLU, weighted combine.
+"""Routed experts on one device or expert-parallel over a mesh: route -> exchange -> grouped SwiGLU -> back.
+
+`routed_experts` is what the model calls. With no plan (one device) every expert is
+local and `local_routed_experts` runs. On a mesh, `make_dispatch_plan` (called by
+`maxmoe.mesh.build_layout`) returns a `DispatchPlan` whose `routed_experts` enters
+`jax.shard_map` over the whole mesh and runs one strategy per shard
+(`maxmoe.parallel.dispatch_shard`):
+
+  ragged_a2a  sort copies by expert; all-gather counts over `expert`; ragged all-to-all
+              out; grouped SwiGLU on the local experts; ragged all-to-all back. Dropless
+              by default; `moe.buffer_factor > 0` bounds the receive buffer and drops.
+  allgather   all-gather tokens over `expert`; local experts on all of them;
+              reduce-scatter back. Dropless; moves P times the tokens.
+  capacity    ceil(capacity_factor x n x K / E) slots per (shard, expert); dense
+              all-to-all; copies past capacity dropped.
+
+Sharding inside the shard_map (P = size of `expert`):
+
+| array | dims | spec |
+|---|---|---|
+| tokens x, ids, weights | N=B*T, ... | (token axes + data + expert), - |
+| w_gate, w_up | E, D, F | expert, -, tensor if F is sharded |
+| w_down | E, F, D | expert, tensor if F is sharded, - |
+
+Tokens are replicated over `tensor`; when F is sharded each tensor rank computes a
+partial sum of the down projection, reduced by one psum over `tensor` on the combined
+[n, D] output (K times smaller than the copies). D enters unsharded: under FSDP XLA
+all-gathers the weight shards before the shard_map and reduce-scatters their gradients.
+When B*T is not a multiple of the number of token shards, padding tokens (expert id E,
+weight 0) fill the last shard; they are never sent and never counted.
 
 Axis legend: B batch, T time, D embed, E experts, F expert_mlp, N tokens, K top-k, M rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
-from maxmoe.parallel.grouped_matmul import grouped_matmul
+from maxmoe.parallel import dispatch_shard
+from maxmoe.parallel.collectives import has_native_ragged_all_to_all
+from maxmoe.parallel.dispatch_shard import expert_swiglu
 
-
-def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot"):
-    """SwiGLU of each row through its group's expert; rows sorted by expert."""
-    gate = grouped_matmul(x_MD, w_gate_EDF, group_sizes_E, backend=backend)
-    up = grouped_matmul(x_MD, w_up_EDF, group_sizes_E, backend=backend)
-    return grouped_matmul(jax.nn.silu(gate) * up, w_down_EFD, group_sizes_E, backend=backend)
+STRATEGIES = ("ragged_a2a", "allgather", "capacity")
+__all__ = ["DispatchPlan", "STRATEGIES", "expert_swiglu", "local_routed_experts", "make_dispatch_plan",
+           "routed_experts"]
 
 
 def local_routed_experts(x_ND, expert_ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot"):
@@ -44,3 +77,154 @@ def routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_d
                                  weights_BTK.reshape(b * t, k), w_gate_EDF, w_up_EDF, w_down_EFD)
         return y.reshape(b, t, d), jnp.zeros((), jnp.float32)
     return plan.routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DispatchPlan:
+    """How routed experts run on a mesh; immutable and hashable by identity (a module attribute).
+
+    Attributes:
+        mesh: the (data, expert, tensor) mesh.
+        strategy: one of STRATEGIES.
+        token_axes: mesh axes the flattened token dim is sharded over inside the shard_map.
+        expert_axis: the mesh axis experts are sharded over (tokens are exchanged over it).
+        tensor_axis: the mesh axis F is sharded over, or None when F is whole on every device.
+        emulate_ragged_a2a: use the dense emulation of ragged all-to-all (CPU).
+        buffer_factor: ragged_a2a receive buffer in units of n x K rows; 0 = dropless.
+        capacity_factor: capacity strategy slots per expert in units of n x K / E.
+        grouped_matmul: grouped GEMM backend for ragged_a2a and allgather.
+    """
+
+    mesh: Mesh
+    strategy: str
+    token_axes: tuple
+    expert_axis: str
+    tensor_axis: str | None
+    emulate_ragged_a2a: bool
+    buffer_factor: float = 0.0
+    capacity_factor: float = 1.25
+    grouped_matmul: str = "ragged_dot"
+
+    @property
+    def token_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+    @property
+    def expert_ranks(self) -> int:
+        return self.mesh.shape[self.expert_axis]
+
+    def buffer_rows(self, tokens_per_shard: int, top_k: int, num_experts: int) -> int:
+        """ragged_a2a receive rows per expert rank: the dropless bound, or less with buffer_factor."""
+        dropless = dispatch_shard.dropless_rows(tokens_per_shard, top_k, num_experts // self.expert_ranks,
+                                                self.expert_ranks)
+        if self.buffer_factor <= 0:
+            return dropless
+        return min(dropless, math.ceil(self.buffer_factor * tokens_per_shard * top_k))
+
+    def capacity(self, tokens_per_shard: int, top_k: int, num_experts: int) -> int:
+        """capacity slots per (shard, expert); never more than n (a token picks an expert once)."""
+        slots = math.ceil(self.capacity_factor * tokens_per_shard * top_k / num_experts)
+        return max(1, min(tokens_per_shard, slots))
+
+    def routed_experts(self, x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+        """Same result as `local_routed_experts` (up to dropped copies) on global arrays.
+
+        Returns:
+            y_BTD and the float32 fraction of all token copies dropped (0 when dropless).
+        """
+        b, t, d = x_BTD.shape
+        k = expert_ids_BTK.shape[-1]
+        num_experts = w_gate_EDF.shape[0]
+        if num_experts % self.expert_ranks:
+            raise ValueError(f"{num_experts} experts are not divisible by the {self.expert_ranks} "
+                             f"ranks of mesh axis {self.expert_axis!r}")
+        n_global = b * t
+        pad = -n_global % self.token_shards
+        x_ND = jnp.pad(x_BTD.reshape(n_global, d), ((0, pad), (0, 0)))
+        ids_NK = jnp.pad(expert_ids_BTK.reshape(n_global, k).astype(jnp.int32), ((0, pad), (0, 0)),
+                         constant_values=num_experts)
+        weights_NK = jnp.pad(weights_BTK.reshape(n_global, k), ((0, pad), (0, 0)))
+        n = (n_global + pad) // self.token_shards
+
+        if self.strategy == "ragged_a2a":
+            body = functools.partial(
+                dispatch_shard.ragged_a2a_shard, num_experts=num_experts,
+                buffer_rows=self.buffer_rows(n, k, num_experts), expert_axis=self.expert_axis,
+                emulate=self.emulate_ragged_a2a, backend=self.grouped_matmul)
+        elif self.strategy == "allgather":
+            body = functools.partial(dispatch_shard.allgather_shard, num_experts=num_experts,
+                                     expert_axis=self.expert_axis, backend=self.grouped_matmul)
+        else:
+            body = functools.partial(dispatch_shard.capacity_shard, num_experts=num_experts,
+                                     capacity=self.capacity(n, k, num_experts), expert_axis=self.expert_axis)
+
+        def shard(*args):
+            y_nD, dropped, copies = body(*args)
+            if self.tensor_axis is not None:
+                y_nD = jax.lax.psum(y_nD, self.tensor_axis)
+            dropped, copies = jax.lax.psum((dropped, copies), self.token_axes)
+            return y_nD, dropped.astype(jnp.float32) / jnp.maximum(copies, 1).astype(jnp.float32)
+
+        tokens = PartitionSpec(self.token_axes, None)
+        w_in = PartitionSpec(self.expert_axis, None, self.tensor_axis)
+        w_out = PartitionSpec(self.expert_axis, self.tensor_axis, None)
+        y_ND, dropped_frac = jax.shard_map(
+            shard, mesh=self.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+            out_specs=(tokens, PartitionSpec()),
+        )(x_ND, ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        return y_ND[:n_global].reshape(b, t, d), jax.lax.stop_gradient(dropped_frac)
+
+
+def _axes_tuple(axes) -> tuple:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def make_dispatch_plan(mesh: Mesh, moe_config, *, token_axes, expert_axis: str = "expert",
+                       tensor_axis: str = "tensor", weight_specs: dict, platform: str | None = None) -> DispatchPlan:
+    """The expert-parallel plan for `mesh` and `moe_config` (a MoEConfig).
+
+    Args:
+        mesh: the device mesh; must have `expert_axis` (and `tensor_axis` if F is sharded).
+        moe_config: reads dispatch ("auto" = "ragged_a2a"), buffer_factor, capacity_factor,
+            grouped_matmul and emulate_ragged_a2a.
+        token_axes: mesh axis, tuple of axes, or None sharding the batch dim of activations.
+            Inside the shard_map tokens are sharded over these axes (minus `tensor_axis`)
+            followed by any of data / `expert_axis` not among them: slicing a replicated
+            dim is free, and every expert rank must own distinct tokens.
+        expert_axis: mesh axis the expert dim of the weights is sharded over.
+        tensor_axis: mesh axis F may be sharded over.
+        weight_specs: PartitionSpecs of "w_gate", "w_up" [E, D, F] and "w_down" [E, F, D];
+            only whether F is sharded over `tensor_axis` is read (D enters unsharded).
+        platform: the platform the program is compiled for ("cpu", "cuda", ...); decides
+            whether ragged all-to-all is emulated. Default: jax.default_backend().
+
+    Raises:
+        ValueError: for an unknown strategy or axis, or inconsistent F sharding.
+    """
+    strategy = "ragged_a2a" if moe_config.dispatch == "auto" else moe_config.dispatch
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown moe.dispatch {moe_config.dispatch!r}; expected 'auto' or one of {STRATEGIES}")
+    if expert_axis not in mesh.axis_names:
+        raise ValueError(f"expert axis {expert_axis!r} is not a mesh axis {mesh.axis_names}")
+    axes = [a for a in _axes_tuple(token_axes) if a != tensor_axis]
+    axes += [a for a in ("data", expert_axis) if a in mesh.axis_names and a not in axes]
+
+    def shards_f(spec, dim):
+        entry = tuple(spec)[dim] if len(tuple(spec)) > dim else None
+        return tensor_axis in _axes_tuple(entry)
+
+    f_sharded = {shards_f(weight_specs["w_gate"], 2), shards_f(weight_specs["w_up"], 2),
+                 shards_f(weight_specs["w_down"], 1)}
+    if len(f_sharded) != 1:
+        raise ValueError(f"w_gate, w_up and w_down must agree on sharding F over {tensor_axis!r}: {weight_specs}")
+    f_axis = tensor_axis if f_sharded.pop() and mesh.shape.get(tensor_axis, 1) > 1 else None
+
+    if moe_config.emulate_ragged_a2a == "auto":
+        emulate = not has_native_ragged_all_to_all(platform or jax.default_backend())
+    else:
+        emulate = moe_config.emulate_ragged_a2a == "true"
+    return DispatchPlan(mesh=mesh, strategy=strategy, token_axes=tuple(axes), expert_axis=expert_axis,
+                        tensor_axis=f_axis, emulate_ragged_a2a=emulate, buffer_factor=moe_config.buffer_factor,
+                        capacity_factor=moe_config.capacity_factor, grouped_matmul=moe_config.grouped_matmul)

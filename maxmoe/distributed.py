@@ -1,0 +1,153 @@
+"""jax.distributed initialisation: one JAX process per host (or per GPU), no home-made launcher.
+
+`dist.mode`:
+  none      single process; nothing to do.
+  explicit  jax.distributed.initialize(coordinator_address, num_processes, process_id) from
+            the config (dist.coordinator_address, dist.num_processes, dist.process_id).
+  auto      initialise only when the environment shows a multi-process launch:
+              SLURM      SLURM_NTASKS > 1 (srun sets it; JAX reads the rest of SLURM_*)
+              OpenMPI    OMPI_COMM_WORLD_SIZE > 1 (mpirun; JAX reads OMPI_* itself)
+              JobSet     JOBSET_NAME (Kubernetes JobSet; see examples/kubernetes)
+              explicit   JAX_COORDINATOR_ADDRESS
+            otherwise (a laptop, one GPU host, a notebook) nothing happens.
+
+Where JAX_COORDINATOR_ADDRESS is set, maxmoe also reads JAX_NUM_PROCESSES and
+JAX_PROCESS_ID (a maxmoe convention; JAX itself reads only the address) and passes all three,
+so a Kubernetes pod needs neither the `kubernetes` package nor API permissions. Without them
+jax.distributed.initialize() auto-detects SLURM, OpenMPI and Kubernetes on its own.
+
+Like xla_flags.apply, `initialize` must run before any jax computation. Failures become
+one-line UserErrors. An unreachable coordinator needs care: in this jaxlib the coordination
+client does not raise, it aborts the whole process (a fatal CHECK, exit status 134, after
+`initialization_timeout`). So when the coordinator address is known (explicit mode, or the
+JAX_* environment), processes other than 0 first wait up to dist.timeout_s for a TCP
+connection to it and report a UserError if none comes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Mapping
+
+from maxmoe.config import DistConfig, UserError
+
+
+def _int_env(environ: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(environ[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def detect_launch(environ: Mapping[str, str] | None = None) -> str | None:
+    """Which multi-process launcher started this process: slurm, openmpi, jobset, env; or None."""
+    environ = os.environ if environ is None else environ
+    if (_int_env(environ, "SLURM_NTASKS") or 1) > 1:
+        return "slurm"
+    if (_int_env(environ, "OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return "openmpi"
+    if environ.get("JOBSET_NAME"):
+        return "jobset"
+    if environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "env"
+    return None
+
+
+def auto_arguments(environ: Mapping[str, str] | None = None) -> dict:
+    """Keyword arguments for jax.distributed.initialize in auto mode ({} = let JAX detect).
+
+    Explicit values are passed only when the environment gives all three of
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (or JOB_COMPLETION_INDEX,
+    a Kubernetes indexed Job's pod index, for the process id).
+    """
+    environ = os.environ if environ is None else environ
+    address = environ.get("JAX_COORDINATOR_ADDRESS")
+    count = _int_env(environ, "JAX_NUM_PROCESSES")
+    index = _int_env(environ, "JAX_PROCESS_ID")
+    if index is None:
+        index = _int_env(environ, "JOB_COMPLETION_INDEX")
+    if address and count is not None and index is not None:
+        return {"coordinator_address": address, "num_processes": count, "process_id": index}
+    return {}
+
+
+def _cpu_only() -> bool:
+    """Whether this process will run on CPU only (decided before the backend starts)."""
+    from maxmoe.xla_flags import detect_gpu_name
+
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return all(p == "cpu" for p in platforms)
+    return detect_gpu_name() is None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UserError(f"coordinator address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Return once a TCP connection to `address` (host:port) succeeds; UserError after `timeout_s`.
+
+    Process 0 starts the coordinator a little after the others may start, so retry.
+    """
+    host, port = _split_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, remaining))):
+                return
+        except OSError as e:
+            last = e.strerror or type(e).__name__
+        if time.monotonic() + 1.0 > deadline:
+            raise UserError(f"cannot reach the jax.distributed coordinator at {address} within {timeout_s:g}s "
+                            f"({last}); is process 0 running, and is the port open between hosts?")
+        time.sleep(1.0)
+
+
+def initialize(dist_config: DistConfig) -> None:
+    """Start JAX's multi-controller runtime as `dist_config.mode` says (see the module doc)."""
+    import jax
+
+    if dist_config.mode == "none":
+        return
+    if dist_config.mode == "explicit":
+        kwargs = {"coordinator_address": dist_config.coordinator_address,
+                  "num_processes": dist_config.num_processes, "process_id": dist_config.process_id}
+        launcher = "dist.mode=explicit"
+        many = dist_config.num_processes > 1
+    elif dist_config.mode == "auto":
+        launcher = detect_launch()
+        if launcher is None:
+            return
+        kwargs = auto_arguments()
+        many = kwargs.get("num_processes", 2) > 1
+        launcher = f"dist.mode=auto ({launcher})"
+    else:
+        raise UserError(f"dist.mode={dist_config.mode!r}: allowed values are auto, none, explicit")
+    if jax.distributed.is_initialized():
+        return  # a notebook or a caller got there first; initialising twice is an error in JAX
+    if many and _cpu_only():
+        # CPU collectives across processes need an implementation; gloo ships with jaxlib.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if kwargs.get("process_id", 0) != 0:
+        wait_for_coordinator(kwargs["coordinator_address"], dist_config.timeout_s)
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=dist_config.timeout_s)
+    except Exception as e:  # noqa: BLE001 - jax raises RuntimeError, ValueError or XlaRuntimeError
+        where = kwargs.get("coordinator_address") or "auto-detected coordinator"
+        detail = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"jax.distributed.initialize failed ({launcher}, coordinator {where}, "
+                        f"timeout {dist_config.timeout_s}s): {detail}") from None
+
+
+def is_main_process() -> bool:
+    """True on process 0, the one that writes logs, metrics and run files."""
+    import jax
+
+    return jax.process_index() == 0

@@ -1,0 +1,185 @@
+"""`python -m maxmoe.train --config configs/X.yaml [key=value ...]`: the training job, top to bottom.
+
+    python -m maxmoe.train --config configs/tiny.yaml                     # 1 CPU device
+    python -m maxmoe.train --config configs/tiny.yaml run.cpu_devices=8 mesh.data=2 mesh.expert=4
+
+Steps: parse the config; set up the process (host devices, XLA flags, jax.distributed);
+build the mesh; build the data; initialise or restore the state; jit the step with
+explicit shardings; loop (log, evaluate, checkpoint); save at the end or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from maxmoe.cli import config_from_args, main_guard, make_parser
+from maxmoe.config import Config, UserError
+
+
+def set_host_device_count(count: int) -> None:
+    """Ask the CPU backend for `count` devices; must run before jax starts a backend."""
+    if count <= 0:
+        return
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except (AttributeError, RuntimeError):
+        pass  # older jax reads the XLA flag above
+
+
+class StopSignal:
+    """Turns SIGTERM/SIGINT into a request to save and stop after the current step."""
+
+    def __init__(self):
+        self.requested = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):  # noqa: ARG002 - signal API
+        self.requested = signal.Signals(signum).name
+
+
+def train(config: Config) -> int:
+    """Run the job described by `config`; returns the process exit status."""
+    # -- process setup: before any jax computation starts a backend ------------------------
+    set_host_device_count(config.run.cpu_devices)
+    from maxmoe import distributed, xla_flags
+
+    flags = xla_flags.apply(config)
+    distributed.initialize(config.dist)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from maxmoe.flops import flops_per_token, mfu, peak_tflops
+    from maxmoe.mesh import build_layout
+    from maxmoe.training import checkpoint, data, step as step_lib
+    from maxmoe.training.metrics import MetricsLogger
+    from maxmoe.training.optim import learning_rate_schedule, make_optimizer
+
+    is_main = jax.process_index() == 0
+    run_dir = Path(config.run.dir)
+    ckpt = checkpoint.Checkpointer(config, run_dir, is_main=is_main)
+    ckpt.check_start()
+
+    # -- mesh ------------------------------------------------------------------------------
+    layout = build_layout(config)
+    devices = layout.mesh.size
+
+    # -- data ------------------------------------------------------------------------------
+    train_data = data.make_dataset(config, split="train", process_index=jax.process_index(),
+                                   process_count=jax.process_count())
+    batch_sharding = layout.sharding(("batch", None))
+
+    def to_device(local_batch):
+        return jax.make_array_from_process_local_data(batch_sharding, np.asarray(local_batch, np.int32))
+
+    # -- state: init or restore ------------------------------------------------------------
+    optimizer = make_optimizer(config.train)
+    rng = jax.random.key(config.train.seed)
+    boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, rng, boxed=True))
+    state_shardings = layout.tree_shardings(boxed)
+    abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                  step_lib.unbox(boxed), state_shardings)
+    restored = ckpt.restore_latest(abstract_state)
+    if restored is not None:
+        state, data_state = restored
+        train_data.set_state(data_state)
+    else:
+        state = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=state_shardings)(rng)
+        if config.checkpoint.init_from:
+            state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, abstract_state))
+    start = int(jax.device_get(state.step))
+
+    # -- compiled steps --------------------------------------------------------------------
+    train_step = jax.jit(step_lib.make_train_step(config, optimizer, layout),
+                         in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+                         donate_argnums=0)
+    eval_step = jax.jit(step_lib.make_eval_step(config, layout),
+                        in_shardings=(state_shardings.params, state_shardings.router, batch_sharding))
+
+    def evaluate(state) -> float:
+        losses = [eval_step(state.params, state.router, to_device(b))
+                  for b in data.make_dataset(config, split="eval", process_index=jax.process_index(),
+                                             process_count=jax.process_count())]
+        return float(np.mean(jax.device_get(losses)))
+
+    # -- loop ------------------------------------------------------------------------------
+    t = config.train
+    tokens_per_step = t.batch_size * t.seq_len
+    flops_token = flops_per_token(config.model, t.seq_len)
+    peak = config.run.peak_tflops or peak_tflops(jax.devices()[0].device_kind)
+    schedule = learning_rate_schedule(t)
+    logger = MetricsLogger(run_dir, enabled=is_main, total_steps=t.steps, start_step=start,
+                           tensorboard=config.run.tensorboard, progress=config.run.progress)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+        xla_flags.write_effective(run_dir, flags)
+        shape = " x ".join(f"{k}={v}" for k, v in layout.shape.items())
+        logger.message(f"maxmoe: {devices} {jax.devices()[0].platform} device(s), mesh {shape}, "
+                       f"{train_data.description}, steps {start}->{t.steps}")
+    stop = StopSignal()
+    profile = config.run.profile_steps
+    last_time, last_step, pending = time.perf_counter(), start, None
+    step = start
+    while step < t.steps:
+        if profile and step == profile[0]:
+            jax.profiler.start_trace(str(run_dir / "profile"))
+        state, metrics = train_step(state, to_device(next(train_data)))
+        step += 1
+        if profile and step == profile[1] + 1:
+            jax.profiler.stop_trace()
+        # Read the previous step's counter so one step stays in flight.
+        if pending is not None and int(pending) >= t.max_bad_steps:
+            ckpt.wait()
+            raise SystemExit(f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or "
+                             f"gradient; the last good checkpoint is in {ckpt.directory}")
+        pending = metrics["bad_steps"]
+        if step % t.log_every == 0 or step == t.steps:
+            host = jax.device_get(metrics)
+            now = time.perf_counter()
+            step_time = (now - last_time) / max(step - last_step, 1)
+            last_time, last_step = now, step
+            tokens_per_s = tokens_per_step / step_time
+            per_device = tokens_per_s / devices
+            logger.log({"step": step, **{k: host[k] for k in ("loss", "lm_loss", "mtp_loss", "grad_norm")},
+                        "lr": float(schedule(step - 1)), "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                        "tflops_per_device": per_device * flops_token / 1e12,
+                        "mfu": mfu(per_device, flops_token, peak),
+                        "moe_imbalance": host["moe_imbalance"], "dropped_frac": host["dropped_frac"],
+                        "seq_aux": host["seq_aux"], "skipped_steps": host["skipped"]})
+        if step % t.eval_every == 0 or step == t.steps:
+            logger.log({"step": step, "eval_loss": evaluate(state)})
+            last_time = time.perf_counter()  # evaluation is not training time
+        ckpt.save(step, state, train_data.get_state(), force=step == t.steps or stop.requested is not None)
+        if stop.requested:
+            ckpt.wait()
+            logger.message(f"maxmoe: {stop.requested}: saved step {step} in {ckpt.directory}; exiting")
+            break
+    ckpt.close()
+    logger.close()
+    return 0
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser("python -m maxmoe.train", __doc__.splitlines()[0])
+    args = parser.parse_args(argv)
+    return train(config_from_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["main", "train", "UserError"]

@@ -1,0 +1,127 @@
+"""Metrics: run.dir/metrics.jsonl (one JSON object per logged step), console progress, TensorBoard.
+
+Only the main process writes. On resume, lines past the restored step (written by a run
+that died before its next checkpoint) are dropped, so no step appears twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalars: numpy/jax numbers to float/int, NaN/inf to None."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Keep only lines whose step is <= `step` (atomic rewrite)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """Writes metric records to JSONL, TensorBoard (optional) and the console."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = False, progress: str = "auto", stream=None):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.stream = stream or sys.stdout
+        self.bar = progress == "bar" or (progress == "auto" and self.stream.isatty())
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.started = time.perf_counter()
+        self._tb = None
+        self._file = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_after(self.path, start_step)
+        self._file = self.path.open("a")
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                from maxmoe.config import UserError
+
+                raise UserError("run.tensorboard=true needs tensorboardX (pip install 'maxmoe[logging]')") from None
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one record (must hold `step`) and show it."""
+        if not self.enabled:
+            return
+        record = {k: _clean(v) for k, v in record.items()}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+        self._show(record)
+
+    def message(self, text: str) -> None:
+        """A plain line on the console (ends any progress bar line first)."""
+        if self.enabled:
+            if self.bar:
+                self.stream.write("\n")
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def _show(self, r: dict[str, Any]) -> None:
+        step = r["step"]
+        if "eval_loss" in r:
+            self.message(f"step {step:>6}  eval_loss {r['eval_loss']:.4f}")
+            return
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "nan"
+        text = (f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
+                f"MFU {mfu}  ETA {_duration(eta)}")
+        if self.bar:
+            width = 24
+            filled = int(width * step / max(self.total_steps, 1))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            if self.bar:
+                self.stream.write("\n")
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

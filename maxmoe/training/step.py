@@ -1,0 +1,176 @@
+"""The pure training step: loss, gradients, AdamW update, and the aux-loss-free bias update.
+
+    state, metrics = train_step(state, batch)
+
+`batch` is int32 [B, T + 1]: inputs are tokens[:, :-1], targets tokens[:, 1:].
+Loss = next-token cross-entropy (fp32 log-softmax)
+     + mtp_loss_weight * mean over MTP depths of their cross-entropy
+     + seq_aux_alpha * (sum over MoE layers of the sequence-wise balance loss).
+Router biases are not optimizer parameters: after each step every MoE layer's bias moves
+by bias_update_rate * sign(mean load - load), from that step's global expert counts.
+A step whose loss or gradient norm is not finite leaves the state unchanged and counts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from maxmoe.config import Config
+from maxmoe.model.transformer import build_model, shift_left
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Everything a step reads and writes; what a checkpoint holds besides the data position."""
+
+    step: jax.Array
+    params: Any
+    router: Any
+    opt_state: Any
+    bad_steps: jax.Array  # consecutive non-finite steps
+    skipped: jax.Array  # total skipped steps
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array | None = None) -> jax.Array:
+    """Mean token cross-entropy in float32 (over mask == 1 positions)."""
+    logits = logits_BTV.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    nll = logz - picked
+    if mask_BT is None:
+        return nll.mean()
+    return (nll * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1.0)
+
+
+def _stats_leaves(stats: dict, name: str) -> list[jax.Array]:
+    flat = traverse_util.flatten_dict(stats)
+    return [v for k, v in flat.items() if k[-1] == name]
+
+
+def make_loss_fn(config: Config, layout: Any = None) -> Callable:
+    """loss_fn(params, router, batch) -> (loss, aux) for the config's model."""
+    model = build_model(config.model, layout)
+    weight, alpha = config.model.mtp_loss_weight, config.moe.seq_aux_alpha
+
+    def loss_fn(params, router, batch_BT):
+        tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
+        (logits, mtp_logits), variables = model.apply({"params": params, "router": router}, tokens,
+                                                      mutable=["moe_stats"])
+        lm_loss = cross_entropy(logits, targets)
+        t = targets.shape[1]
+        mtp_losses = []
+        for k, mtp_BTV in enumerate(mtp_logits, start=1):
+            valid = (jnp.arange(t) < t - k).astype(jnp.float32)[None, :]
+            mtp_losses.append(cross_entropy(mtp_BTV, shift_left(targets, k), jnp.broadcast_to(valid, targets.shape)))
+        mtp_loss = jnp.mean(jnp.stack(mtp_losses)) if mtp_losses else jnp.zeros((), jnp.float32)
+        stats = variables["moe_stats"]
+        seq_aux = sum((x.sum() for x in _stats_leaves(stats, "seq_aux")), jnp.zeros((), jnp.float32))
+        loss = lm_loss + weight * mtp_loss + alpha * seq_aux
+        return loss, {"lm_loss": lm_loss, "mtp_loss": mtp_loss, "seq_aux": seq_aux, "moe_stats": stats}
+
+    return loss_fn
+
+
+def update_router_bias(router: dict, stats: dict, rate: float) -> dict:
+    """bias += rate * sign(mean_load - load) for every MoE layer (loads are global counts)."""
+    flat_bias = traverse_util.flatten_dict(router)
+    flat_stats = traverse_util.flatten_dict(stats)
+    updated = {}
+    for path, bias in flat_bias.items():
+        load = flat_stats[path[:-1] + ("load",)]
+        updated[path] = bias + rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
+    return traverse_util.unflatten_dict(updated)
+
+
+def balance_metrics(stats: dict) -> dict[str, jax.Array]:
+    """moe_imbalance: max over layers of max/mean expert load; dropped_frac: mean over layers."""
+    loads = [x.reshape(-1, x.shape[-1]) for x in _stats_leaves(stats, "load")]
+    dropped = [x.reshape(-1) for x in _stats_leaves(stats, "dropped")]
+    if not loads:
+        return {"moe_imbalance": jnp.ones((), jnp.float32), "dropped_frac": jnp.zeros((), jnp.float32)}
+    load = jnp.concatenate(loads)
+    ratio = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)
+    return {"moe_imbalance": ratio.max(), "dropped_frac": jnp.concatenate(dropped).mean()}
+
+
+def make_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any = None) -> Callable:
+    """A pure train_step(state, batch) -> (state, metrics), with grad accumulation over a scan."""
+    loss_fn = make_loss_fn(config, layout)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    accum = config.train.grad_accum
+    rate = config.moe.bias_update_rate
+
+    def micro_batches(batch_BT):
+        b = batch_BT.shape[0]
+        # Strided split keeps each micro-batch spread over every data shard.
+        return batch_BT.reshape(b // accum, accum, -1).swapaxes(0, 1)
+
+    def train_step(state: TrainState, batch_BT: jax.Array):
+        if accum == 1:
+            (loss, aux), grads = grad_fn(state.params, state.router, batch_BT)
+        else:
+            def body(carry, micro):
+                (loss, aux), grads = grad_fn(state.params, state.router, micro)
+                carry = jax.tree.map(jnp.add, carry, (loss, aux, grads))
+                return carry, None
+
+            micro = micro_batches(batch_BT)
+            shapes = jax.eval_shape(grad_fn, state.params, state.router, micro[0])
+            (loss0, aux0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            (loss, aux, grads), _ = jax.lax.scan(body, (loss0, aux0, grads0), micro)
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+            aux = {k: (v if k == "moe_stats" else v / accum) for k, v in aux.items()}
+            # Loads are summed over micro-batches (global counts); other stats averaged.
+            aux["moe_stats"] = jax.tree_util.tree_map_with_path(
+                lambda p, v: v if getattr(p[-1], "key", "") == "load" else v / accum, aux["moe_stats"])
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        router = update_router_bias(state.router, aux["moe_stats"], rate)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        new_state = state.replace(
+            step=state.step + jnp.where(ok, 1, 0).astype(state.step.dtype),
+            params=keep(params, state.params), router=keep(router, state.router),
+            opt_state=keep(opt_state, state.opt_state),
+            bad_steps=jnp.where(ok, 0, state.bad_steps + 1), skipped=state.skipped + jnp.where(ok, 0, 1))
+        metrics = {"loss": loss, "lm_loss": aux["lm_loss"], "mtp_loss": aux["mtp_loss"], "seq_aux": aux["seq_aux"],
+                   "grad_norm": grad_norm, "skipped": new_state.skipped, "bad_steps": new_state.bad_steps,
+                   **balance_metrics(aux["moe_stats"])}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(config: Config, layout: Any = None) -> Callable:
+    """eval_step(params, router, batch) -> next-token loss (no MTP, no balance terms)."""
+    loss_fn = make_loss_fn(config, layout)
+
+    def eval_step(params, router, batch_BT):
+        return loss_fn(params, router, batch_BT)[1]["lm_loss"]
+
+    return eval_step
+
+
+def unbox(tree):
+    """Strip flax's logical-axis boxes, leaving plain arrays (or shapes)."""
+    return nn.unbox(tree)
+
+
+def init_state(config: Config, optimizer: optax.GradientTransformation, rng: jax.Array, layout: Any = None,
+               boxed: bool = False) -> TrainState:
+    """A fresh state; with boxed=True params and optimizer state keep their logical-axis boxes."""
+    del layout  # parameters do not depend on the layout; init runs the single-device path
+    model = build_model(config.model)
+    variables = model.init(rng, jnp.zeros((1, 8), jnp.int32))
+    params = variables["params"]
+    opt_state = optimizer.init(params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, router=variables["router"], opt_state=opt_state,
+                       bad_steps=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+    return state if boxed else nn.unbox(state)

@@ -1,0 +1,184 @@
+"""Every shipped config parses; bad input is one named, located error; files and overrides merge in order."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from maxmoe.config import Config, ConfigError, ModelConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_configs_folder_is_not_empty():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", "deepseek_v3_671b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    config = load_config([str(path)])
+    assert isinstance(config, Config)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#"), f"{path.name} must start with a comment saying what it is for"
+
+
+def test_shipped_values_arrive():
+    tiny = load_config([str(REPO / "configs/tiny.yaml")])
+    assert tiny.model.hidden_size == 64 and tiny.model.num_experts == 8 and tiny.train.seq_len == 128
+    big = load_config([str(REPO / "configs/deepseek_v3_671b.yaml")])
+    m = big.model
+    assert (m.hidden_size, m.num_layers, m.num_experts, m.experts_per_token) == (7168, 61, 256, 8)
+    assert isinstance(m.rope_theta, float) and m.rope_theta == 10000.0  # YAML int coerced to float
+
+
+def test_defaults_without_files():
+    assert load_config().model == ModelConfig()
+
+
+def error_of(files=(), overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(list(files), list(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unknown_override_key_names_the_nearest_key():
+    message = error_of(overrides=["model.hiden=3"])
+    assert "model.hiden" in message and "'model.hidden_size'" in message
+
+
+def test_unknown_key_in_yaml_names_the_nearest_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  stepz: 3\n")
+    message = error_of([path])
+    assert "train.stepz" in message and "'train.steps'" in message
+
+
+def test_unknown_section():
+    message = error_of(overrides=["modle.hidden_size=3"])
+    assert "modle.hidden_size" in message and "model.hidden_size" in message
+
+
+@pytest.mark.parametrize("override,fragments", [
+    ("model.hidden_size=abc", ["model.hidden_size", "abc", "integer"]),
+    ("model.hidden_size=1.5", ["model.hidden_size", "1.5", "integer"]),
+    ("model.norm_topk_prob=yes please", ["model.norm_topk_prob", "yes please", "true or false"]),
+    ("train.lr=fast", ["train.lr", "fast", "number"]),
+    ("model.hidden_size=0", ["model.hidden_size", "0", "> 0"]),
+    ("model.num_shared_experts=-1", ["model.num_shared_experts", "-1", ">= 0"]),
+    ("train.lr=-0.1", ["train.lr", "-0.1", "> 0"]),
+    ("model.score_func=relu", ["model.score_func", "relu", "sigmoid", "softmax"]),
+    ("model.compute_dtype=float16", ["model.compute_dtype", "float16", "bfloat16", "float32"]),
+    ("mesh.rules=3", ["mesh.rules", "3"]),
+])
+def test_bad_values_name_key_and_value(override, fragments):
+    message = error_of(overrides=[override])
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (["model.num_heads=4", "mesh.tensor=3"], ["model.num_heads=4", "mesh.tensor=3"]),
+    (["model.num_experts=8", "mesh.expert=3"], ["model.num_experts=8", "mesh.expert=3"]),
+    (["train.batch_size=12", "mesh.data=2", "mesh.expert=4", "model.num_experts=8"],
+     ["train.batch_size=12", "mesh.data", "mesh.expert"]),
+    (["train.batch_size=12", "mesh.data=8"], ["train.batch_size=12", "mesh.data"]),
+    (["model.first_k_dense=4", "model.num_layers=3"], ["model.first_k_dense=4", "model.num_layers=3"]),
+    (["model.num_experts=8", "model.num_expert_groups=3"], ["model.num_experts=8", "model.num_expert_groups=3"]),
+    (["model.topk_groups=5", "model.num_expert_groups=4"], ["model.topk_groups=5", "model.num_expert_groups=4"]),
+    (["model.qk_rope_head_dim=7"], ["model.qk_rope_head_dim=7"]),
+    (["mesh.data=-1", "mesh.expert=-1"], ["mesh.data", "mesh.expert", "-1"]),
+])
+def test_cross_field_checks(overrides, fragments):
+    message = error_of(overrides=overrides)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_valid_mesh_divisibility_passes():
+    config = load_config([], ["model.num_heads=4", "mesh.tensor=2", "mesh.expert=4", "mesh.data=2",
+                              "train.batch_size=16"])
+    assert (config.mesh.data, config.mesh.expert, config.mesh.tensor) == (2, 4, 2)
+
+
+def test_merge_order_files_then_overrides(tmp_path):
+    first = tmp_path / "a.yaml"
+    second = tmp_path / "b.yaml"
+    first.write_text("model:\n  hidden_size: 32\n  num_heads: 2\ntrain:\n  lr: 0.5\n")
+    second.write_text("model:\n  hidden_size: 48\ntrain:\n  steps: 7\n")
+    merged = load_config([str(first), str(second)])
+    assert merged.model.hidden_size == 48  # later file wins
+    assert merged.model.num_heads == 2  # earlier file's keys survive
+    assert merged.train.lr == 0.5 and merged.train.steps == 7
+    assert merged.model.vocab_size == ModelConfig().vocab_size  # untouched: default
+    reversed_ = load_config([str(second), str(first)])
+    assert reversed_.model.hidden_size == 32
+    overridden = load_config([str(first), str(second)], ["model.hidden_size=96", "train.steps=9"])
+    assert overridden.model.hidden_size == 96 and overridden.train.steps == 9
+    # Later overrides of the same key win too.
+    assert load_config([str(first)], ["model.hidden_size=8", "model.hidden_size=16"]).model.hidden_size == 16
+
+
+def test_override_values_are_typed():
+    config = load_config([], ["train.lr=0.001", "model.norm_topk_prob=false", "run.profile_steps=[3, 5]",
+                              "train.warmup_steps=0", "model.rope_theta=50000"])
+    assert config.train.lr == pytest.approx(1e-3) and isinstance(config.train.lr, float)
+    assert config.model.norm_topk_prob is False
+    assert config.run.profile_steps == [3, 5]
+    assert config.model.rope_theta == 50000.0 and isinstance(config.model.rope_theta, float)
+
+
+@pytest.mark.parametrize("text", ["1e-3", "3e-4", "1E-3"])
+def test_float_in_exponent_notation_without_a_dot_is_a_number(text, tmp_path):
+    """PyYAML (YAML 1.1) reads `1e-3` as a string; a float key must still accept it."""
+    assert load_config([], [f"train.lr={text}"]).train.lr == pytest.approx(float(text))
+    path = tmp_path / "lr.yaml"
+    path.write_text(f"train:\n  lr: {text}\n")
+    assert load_config([str(path)]).train.lr == pytest.approx(float(text))
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    assert "nope.yaml" in error_of([tmp_path / "nope.yaml"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: [1,\n")
+    assert "bad.yaml" in error_of([bad])
+
+
+def test_config_is_frozen():
+    config = load_config()
+    with pytest.raises(Exception):
+        config.model.hidden_size = 3  # type: ignore[misc]
+
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "maxmoe.info", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_key_is_one_line_exit_2():
+    result = run_cli("--config", "configs/tiny.yaml", "model.hiden=3")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("maxmoe: error:")
+    assert "model.hidden_size" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("--config", "configs/missing.yaml"), "configs/missing.yaml"),
+    (("--config", "configs/tiny.yaml", "model.hidden_size=abc"), "model.hidden_size"),
+    (("--config", "configs/tiny.yaml", "--bogus-flag"), "--bogus-flag"),
+])
+def test_cli_other_bad_input_is_one_line_exit_2(args, fragment):
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maxmoe: error:") and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

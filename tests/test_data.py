@@ -1,0 +1,230 @@
+"""Data pipeline: determinism, process slicing, resume, the stdlib corpus, token folders, errors."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maxmoe.config import UserError, load_config
+from maxmoe.data import main as data_main
+from maxmoe.training import data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def stdlib_cache(tmp_path_factory):
+    """A private stdlib cache, built once for the module (about 0.3 s)."""
+    cache = tmp_path_factory.mktemp("stdlib-cache")
+    data.stdlib_corpus(str(cache), 0.05)
+    return str(cache)
+
+
+def config(*overrides, **data_keys):
+    items = [f"data.{k}={v}" for k, v in data_keys.items()]
+    return load_config(overrides=["train.batch_size=8", "train.seq_len=32", *items, *overrides])
+
+
+def take(iterator, count):
+    return [next(iterator) for _ in range(count)]
+
+
+def source_configs(stdlib_cache):
+    return [config(source="synthetic"), config(source="stdlib", cache_dir=stdlib_cache)]
+
+
+def test_batches_have_the_promised_shape_and_range(stdlib_cache):
+    for cfg in source_configs(stdlib_cache):
+        batch = next(data.make_dataset(cfg, process_index=1, process_count=4))
+        assert batch.shape == (2, 33) and batch.dtype == np.int32
+        assert batch.min() >= 0 and batch.max() < data.vocab_size_of(cfg) <= cfg.model.vocab_size
+
+
+def test_same_seed_same_batches_other_seed_other_batches(stdlib_cache):
+    for cfg in source_configs(stdlib_cache):
+        first = take(data.make_dataset(cfg), 3)
+        again = take(data.make_dataset(cfg), 3)
+        other = take(data.make_dataset(cfg.replace(train=dataclasses.replace(cfg.train, seed=1))), 3)
+        np.testing.assert_array_equal(np.stack(first), np.stack(again))
+        assert not np.array_equal(np.stack(first), np.stack(other))
+        assert not np.array_equal(first[0], first[1])  # the stream moves on
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_slices_concatenate_to_the_global_batch(stdlib_cache, process_count):
+    for cfg in source_configs(stdlib_cache) + [config("train.eval_batches=3", source="stdlib", cache_dir=stdlib_cache)]:
+        for split in ("train", "eval"):
+            whole = take(data.make_dataset(cfg, split=split), 3)
+            parts = [take(data.make_dataset(cfg, split=split, process_index=p, process_count=process_count), 3)
+                     for p in range(process_count)]
+            for step in range(3):
+                np.testing.assert_array_equal(np.concatenate([part[step] for part in parts]), whole[step])
+
+
+def test_resume_from_state_sees_the_same_batches(stdlib_cache):
+    for cfg in source_configs(stdlib_cache):
+        iterator = data.make_dataset(cfg)
+        take(iterator, 3)
+        state = json.loads(json.dumps(iterator.get_state()))
+        expected = take(iterator, 2)
+        resumed = data.make_dataset(cfg)
+        resumed.set_state(state)
+        np.testing.assert_array_equal(np.stack(take(resumed, 2)), np.stack(expected))
+        # A restart with another process count continues the same global stream.
+        halves = [data.make_dataset(cfg, process_index=p, process_count=2) for p in range(2)]
+        for half in halves:
+            half.set_state(state)
+        np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected[0])
+        with pytest.raises(UserError):
+            resumed.set_state({"split": "train", "step": -1})
+
+
+def test_eval_batches_are_fixed_finite_and_seed_independent(stdlib_cache):
+    cfg = config("train.eval_batches=3", source="stdlib", cache_dir=stdlib_cache)
+    batches = list(data.make_dataset(cfg, split="eval"))
+    assert len(batches) == 3
+    reseeded = cfg.replace(train=dataclasses.replace(cfg.train, seed=7))
+    np.testing.assert_array_equal(np.stack(batches), np.stack(list(data.make_dataset(reseeded, split="eval"))))
+    eval_rows = {row.tobytes() for batch in batches for row in batch}
+    train_rows = {row.tobytes() for batch in take(data.make_dataset(cfg), 50) for row in batch}
+    assert not eval_rows & train_rows  # eval windows come from held-out documents
+
+
+def split_documents(tokens):
+    """Documents of a token stream in which each document ends with EOS."""
+    ends = np.flatnonzero(np.asarray(tokens) == data.EOS_ID)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [data.decode_bytes(tokens[s:e]) for s, e in zip(starts, ends)]
+
+
+def test_stdlib_corpus_decodes_to_the_stdlib_sources_with_disjoint_splits(stdlib_cache):
+    root, names = data.stdlib_files()
+    assert names == sorted(names) and all(n.endswith(".py") for n in names)
+    assert not any({"site-packages", "test", "tests"} & set(Path(n).parts) for n in names)
+    folder = data.stdlib_corpus(stdlib_cache, 0.05)  # cached: same folder, nothing rebuilt
+    assert folder.parent == Path(stdlib_cache) and folder.name.startswith(f"stdlib-{sys.version_info[0]}.")
+    held_out = data.eval_documents(names, 0.05)
+    expected = {"train": [], "eval": []}
+    for name in names:
+        source = (root / name).read_bytes()
+        if source:
+            expected["eval" if name in held_out else "train"].append(source)
+    for split in ("train", "eval"):
+        tokens, meta = data.load_tokens(folder, split)
+        assert tokens.dtype == np.uint16 and tokens.max() < data.BYTE_VOCAB_SIZE
+        assert split_documents(tokens) == expected[split]
+        assert meta["splits"][split]["documents"] == len(expected[split])
+    assert expected["eval"] and not set(expected["eval"]) & set(expected["train"])
+    # A training row is a slice of the stream: decoded, it is Python source text.
+    row = next(data.make_dataset(config(source="stdlib", cache_dir=stdlib_cache)))[0]
+    assert data.decode_bytes(row).decode("utf-8", errors="replace")
+
+
+def test_vocab_checks(stdlib_cache):
+    assert data.vocab_size_of(config(source="stdlib", cache_dir=stdlib_cache)) == 260
+    with pytest.raises(UserError, match="model.vocab_size=256"):
+        data.make_dataset(config("model.vocab_size=256", source="stdlib", cache_dir=stdlib_cache))
+
+
+def write_corpus(folder, texts):
+    folder.mkdir()
+    for i, text in enumerate(texts):
+        (folder / f"doc{i:02d}.txt").write_text(text)
+    return str(folder / "*.txt")
+
+
+def test_shards_round_trip_through_the_prepare_cli(tmp_path, capsys):
+    texts = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i) for i in range(12)]
+    pattern = write_corpus(tmp_path / "in", texts)
+    out = tmp_path / "tokens"
+    assert data_main(["prepare", "--input", pattern, "--tokenizer", "byte", "--out", str(out),
+                      "--eval-fraction", "0.2"]) == 0
+    assert "train" in capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["vocab_size"] == 260 and meta["dtype"] == "uint16"
+    assert meta["splits"]["eval"]["documents"] == 2 and meta["splits"]["train"]["documents"] == 10
+    assert meta["token_count"] == sum(len(t) + 1 for t in texts)
+    decoded = split_documents(data.load_tokens(out, "train")[0]) + split_documents(data.load_tokens(out, "eval")[0])
+    assert sorted(d.decode() for d in decoded) == sorted(texts)
+    cfg = config(source="shards", path=out)
+    batch = next(data.make_dataset(cfg))
+    assert batch.shape == (8, 33)
+    for row in batch:
+        pieces = data.decode_bytes(row).decode()
+        assert any(pieces in text for text in texts) or data.EOS_ID in row
+    assert data.vocab_size_of(cfg) == 260
+    assert data_main(["stats", "--path", str(out)]) == 0
+
+
+def test_prepare_with_a_tokenizer_json(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package is not installed")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    texts = [f"alpha beta gamma delta {i} " * 30 for i in range(6)]
+    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"]))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "tokens"
+    assert data_main(["prepare", "--input", write_corpus(tmp_path / "in", texts),
+                      "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", str(out)]) == 0
+    meta = data.read_meta(out)
+    eos = tokenizer.token_to_id("</s>")
+    assert meta["eos_id"] == eos and meta["vocab_size"] == tokenizer.get_vocab_size()
+    tokens = np.concatenate([data.load_tokens(out, s)[0] for s in ("train", "eval")])
+    ends = np.flatnonzero(tokens == eos)
+    first = tokenizer.decode(tokens[:ends[0]].tolist())  # BPE pieces come back space-separated
+    assert "".join(first.split()) in ["".join(text.split()) for text in texts]
+    cfg = config("model.vocab_size=80", "train.seq_len=8", source="shards", path=out)
+    assert next(data.make_dataset(cfg)).max() < meta["vocab_size"]
+
+
+def test_bad_data_raises_one_line_user_errors(tmp_path):
+    out = tmp_path / "tokens"
+    data_main(["prepare", "--input", write_corpus(tmp_path / "in", ["abc " * 50, "def " * 50]), "--out", str(out)])
+    cases = {"missing folder": config(source="shards", path=tmp_path / "nowhere"),
+             "not a token folder": config(source="shards", path=tmp_path / "in"),
+             "windows too long": config("train.seq_len=5000", source="shards", path=out),
+             "eval fraction": config(source="stdlib", eval_fraction=1.5, cache_dir=tmp_path / "c")}
+    for why, cfg in cases.items():
+        with pytest.raises(UserError) as error:
+            data.make_dataset(cfg)
+        assert "\n" not in str(error.value), why
+    with pytest.raises(UserError, match="not divisible"):
+        data.make_dataset(config(source="synthetic"), process_count=3)
+    meta = json.loads((out / "meta.json").read_text())
+    for broken, match in [({**meta, "dtype": "float32"}, "dtype"),
+                          ({**meta, "vocab_size": 70000}, "does not fit"),
+                          ({**meta, "splits": {**meta["splits"], "train": {**meta["splits"]["train"], "tokens": 3}}},
+                           "promises")]:
+        (out / "meta.json").write_text(json.dumps(broken))
+        with pytest.raises(UserError, match=match):
+            data.make_dataset(config(source="shards", path=out))
+    (out / "meta.json").write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        data.read_meta(out)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    with pytest.raises(UserError, match="empty corpus"):
+        data_main.__wrapped__(["prepare", "--input", str(empty / "*.txt"), "--out", str(tmp_path / "e")])
+    assert not (tmp_path / "e").exists() and not list(tmp_path.glob(".e.tmp-*"))
+
+
+@pytest.mark.parametrize("argv", [["prepare", "--input", "/nonexistent/*.txt", "--out", "D"],
+                                  ["prepare", "--input", "x", "--tokenizer", "/no/tokenizer.json", "--out", "D"],
+                                  ["stats", "--path", "/nonexistent"]])
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, argv):
+    argv = [str(tmp_path / a) if a == "D" else a for a in argv]
+    if argv[2] == "x":
+        write_corpus(tmp_path / "in", ["text"])
+        argv[2] = str(tmp_path / "in" / "*.txt")
+    result = subprocess.run([sys.executable, "-m", "maxmoe.data", *argv], cwd=REPO, capture_output=True, text=True,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert result.stderr.startswith("maxmoe: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "D").exists()

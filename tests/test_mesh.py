@@ -1,0 +1,181 @@
+"""The (data, expert, tensor) mesh over scale-up domains, and logical->mesh axis rules."""
+
+import itertools
+import random
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from maxmoe.config import ConfigError, load_config
+from maxmoe.mesh import build_mesh, logical_to_spec, resolve_rules, resolve_shape
+
+DOMAIN = 4
+# tensor=8 needs model sizes divisible by 8 (the tiny default has 4 heads and 260 tokens).
+MODEL_FOR_8 = ["model.num_heads=8", "model.vocab_size=256"]
+
+
+def _config(data, expert, tensor, *more):
+    return load_config([], [f"mesh.data={data}", f"mesh.expert={expert}", f"mesh.tensor={tensor}",
+                            f"mesh.scale_up_domain={DOMAIN}", *MODEL_FOR_8, *more])
+
+
+def _domain_of(devices, size):
+    """Oracle: scale-up domain = consecutive blocks of `size` devices in (process, id) order."""
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return {d.id: i // size for i, d in enumerate(ordered)}
+
+
+def _shapes(total):
+    return [(d, e, t) for d, e, t in itertools.product([1, 2, 4, 8], repeat=3) if d * e * t == total]
+
+
+FITTING = [s for s in _shapes(8) if s[1] * s[2] <= DOMAIN]
+NOT_FITTING = [s for s in _shapes(8) if s[1] * s[2] > DOMAIN]
+
+
+def test_shape_lists_cover_all_layouts():
+    assert len(FITTING) + len(NOT_FITTING) == 10 and len(jax.devices()) == 8
+    assert (1, 8, 1) in NOT_FITTING and (2, 2, 2) in FITTING
+
+
+@pytest.mark.parametrize("shape", FITTING)
+def test_expert_and_tensor_groups_stay_inside_a_domain(shape):
+    devices = list(jax.devices())
+    random.Random(sum(shape)).shuffle(devices)  # the builder must not rely on the input order
+    mesh = build_mesh(_config(*shape), devices)
+    assert dict(mesh.shape) == dict(zip(("data", "expert", "tensor"), shape))
+    domain = _domain_of(devices, DOMAIN)
+    grid = mesh.devices
+    data, expert, tensor = shape
+    assert sorted(d.id for d in grid.flat) == list(range(8))
+    for d in range(data):
+        assert len({domain[x.id] for x in grid[d].flat}) == 1, "expert x tensor block crosses domains"
+        for t in range(tensor):
+            assert len({domain[x.id] for x in grid[d, :, t]}) == 1, "expert group crosses domains"
+        for e in range(expert):
+            assert len({domain[x.id] for x in grid[d, e, :]}) == 1, "tensor group crosses domains"
+
+
+@pytest.mark.parametrize("shape", NOT_FITTING)
+def test_groups_larger_than_a_domain_are_refused(shape):
+    with pytest.raises(ConfigError, match="scale-up domain") as error:
+        build_mesh(_config(*shape))
+    assert "mesh.allow_cross_domain" in str(error.value)
+
+
+@pytest.mark.parametrize("shape", NOT_FITTING)
+def test_allow_cross_domain_builds_with_a_warning(shape):
+    with pytest.warns(UserWarning, match="scale-up domain"):
+        mesh = build_mesh(_config(*shape, "mesh.allow_cross_domain=true"))
+    assert dict(mesh.shape) == dict(zip(("data", "expert", "tensor"), shape))
+
+
+def test_group_larger_than_the_smallest_domain_is_refused():
+    # 8 devices in domains of 6 and 2: expert=4 fits the first domain but not the second.
+    config = load_config([], ["mesh.data=2", "mesh.expert=4", "mesh.scale_up_domain=6"])
+    with pytest.raises(ConfigError, match="scale-up domain of 2 devices"):
+        build_mesh(config)
+
+
+@pytest.mark.xfail(strict=True, reason="mesh.py bug: uneven domains (8 devices in domains of 3, 3, 2) are "
+                                       "checked against the smallest domain only, so a pair straddles 0 and 1")
+def test_uneven_domains_do_not_let_groups_straddle():
+    config = load_config([], ["mesh.data=4", "mesh.expert=2", "mesh.scale_up_domain=3"])
+    try:
+        mesh = build_mesh(config)
+    except ConfigError:
+        return  # refusing is also correct
+    domain = _domain_of(jax.devices(), 3)
+    for block in mesh.devices:
+        assert len({domain[x.id] for x in block.flat}) == 1
+
+
+def test_default_domain_is_one_per_process():
+    # 8 fake CPU devices in one process: one domain of 8, so expert=8 fits.
+    config = load_config([], ["mesh.data=1", "mesh.expert=8", "mesh.tensor=1"])
+    assert dict(build_mesh(config).shape) == {"data": 1, "expert": 8, "tensor": 1}
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["mesh.data=-1", "mesh.expert=2", "mesh.tensor=2"], {"data": 2, "expert": 2, "tensor": 2}),
+    (["mesh.data=2", "mesh.expert=-1", "mesh.tensor=1"], {"data": 2, "expert": 4, "tensor": 1}),
+    (["mesh.data=1", "mesh.expert=2", "mesh.tensor=-1"], {"data": 1, "expert": 2, "tensor": 4}),
+])
+def test_minus_one_fills_the_remaining_devices(overrides, expected):
+    config = load_config([], overrides)
+    assert resolve_shape(config, 8) == expected
+    assert dict(build_mesh(config).shape) == expected
+
+
+def test_fill_that_does_not_divide_is_refused():
+    config = load_config([], ["mesh.data=-1", "mesh.expert=4"])
+    with pytest.raises(ConfigError, match="cannot fill mesh.data"):
+        resolve_shape(config, 6)
+
+
+@pytest.mark.parametrize("overrides", [["mesh.data=2", "mesh.expert=2"], ["mesh.data=4", "mesh.expert=4"]])
+def test_product_mismatch_is_refused(overrides):
+    with pytest.raises(ConfigError, match="8 are available"):
+        build_mesh(load_config([], overrides))
+
+
+# ------------------------------------------------------------------------- rules
+
+
+def _rules(*overrides):
+    return resolve_rules(load_config([], list(overrides)))
+
+
+def test_fsdp_virtual_axis():
+    assert _rules("mesh.fsdp=true")["embed"] == ("data",)
+    assert _rules("mesh.fsdp=false")["embed"] == ()
+    assert _rules("mesh.fsdp=true")["batch"] == ("data", "expert")
+
+
+def test_first_come_first_served():
+    fsdp = _rules("mesh.fsdp=true")
+    # Activations: batch takes data and expert, so embed (which wants data under FSDP) gets nothing.
+    assert logical_to_spec(("batch", "seq", "embed"), fsdp) == PartitionSpec(("data", "expert"), None, None)
+    # Weights: embed comes first and takes data.
+    assert logical_to_spec(("embed", "heads", "head_dim"), fsdp) == PartitionSpec("data", "tensor", None)
+    assert logical_to_spec(("expert", "embed", "expert_mlp"), fsdp) == PartitionSpec("expert", "data", "tensor")
+    # Two dimensions asking for tensor: the left one wins, whichever it is.
+    assert logical_to_spec(("mlp", "heads"), fsdp) == PartitionSpec("tensor", None)
+    assert logical_to_spec(("heads", "mlp"), fsdp) == PartitionSpec("tensor", None)
+    # Router: embed x expert with FSDP off is replicated; unknown or None axes replicate.
+    assert logical_to_spec(("embed", "expert"), _rules()) == PartitionSpec(None, "expert")
+    assert logical_to_spec((None, "no_such_axis"), fsdp) == PartitionSpec(None, None)
+
+
+def test_size_one_axes_are_left_out():
+    shape = {"data": 8, "expert": 1, "tensor": 1}
+    assert logical_to_spec(("batch", "seq", "embed"), _rules(), shape) == PartitionSpec("data", None, None)
+    assert logical_to_spec(("embed", "mlp"), _rules("mesh.fsdp=true"), shape) == PartitionSpec("data", None)
+
+
+def test_rules_from_the_command_line_replace_the_table():
+    rules = _rules("mesh.rules={batch: [data], expert: [expert, tensor]}")
+    assert rules == {"batch": ("data",), "expert": ("expert", "tensor")}
+    assert logical_to_spec(("embed", "mlp"), rules) == PartitionSpec(None, None)  # left out = replicated
+    with pytest.raises(ConfigError, match="mesh.rules.batch"):
+        load_config([], ["mesh.rules={batch: [rack]}"])
+
+
+def test_specs_shard_arrays_as_the_table_says():
+    # Oracle: per-device shard shapes of a real placement on the 2 x 2 x 2 mesh.
+    config = load_config([], ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=true"])
+    mesh, rules = build_mesh(config), resolve_rules(config)
+
+    def shard_shape(logical, shape):
+        sharding = NamedSharding(mesh, logical_to_spec(logical, rules, dict(mesh.shape)))
+        return jax.device_put(np.zeros(shape, np.float32), sharding).addressable_shards[0].data.shape
+
+    assert shard_shape(("batch", "seq", "embed"), (16, 4, 64)) == (4, 4, 64)
+    assert shard_shape(("expert", "embed", "expert_mlp"), (8, 64, 32)) == (4, 32, 16)
+    assert shard_shape(("vocab", "embed"), (256, 64)) == (128, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert shard_shape(("embed", "expert"), (64, 8)) == (32, 4)
