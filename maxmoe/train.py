@@ -137,6 +137,9 @@ def train(config: Config) -> int:
             jax.profiler.start_trace(str(run_dir / "profile"))
         state, metrics = train_step(state, to_device(next(train_data)))
         step += 1
+        if step == start + 1:
+            jax.block_until_ready(metrics)  # compile time is not step time
+            last_time, last_step = time.perf_counter(), step
         if profile and step == profile[1] + 1:
             jax.profiler.stop_trace()
         # Read the previous step's counter so one step stays in flight.

@@ -109,3 +109,16 @@ def load_params(path: str, abstract_state: Any) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"checkpoint.init_from={path}: {str(e).splitlines()[0]}") from None
     return {"params": restored["state"]["params"], "router": restored["state"]["router"]}
+
+
+def save_params(folder: str | Path, params: Any, router: Any, config: Config, step: int = 0) -> Path:
+    """Write parameters and router biases as a checkpoint that `checkpoint.init_from` accepts."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(folder).absolute() / "checkpoints"
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True)) as manager:
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "router": router}),
+            config=ocp.args.JsonSave(config.to_dict())))
+        manager.wait_until_finished()
+    return directory
