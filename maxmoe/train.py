@@ -139,6 +139,7 @@ def train(config: Config) -> int:
         step += 1
         if step == start + 1:
             jax.block_until_ready(metrics)  # compile time is not step time
+            first_step_time = time.perf_counter() - last_time
             last_time, last_step = time.perf_counter(), step
         if profile and step == profile[1] + 1:
             jax.profiler.stop_trace()
@@ -151,7 +152,8 @@ def train(config: Config) -> int:
         if step % t.log_every == 0 or step == t.steps:
             host = jax.device_get(metrics)
             now = time.perf_counter()
-            step_time = (now - last_time) / max(step - last_step, 1)
+            # The first logged interval may hold only the compiling step.
+            step_time = (now - last_time) / (step - last_step) if step > last_step else first_step_time
             last_time, last_step = now, step
             tokens_per_s = tokens_per_step / step_time
             per_device = tokens_per_s / devices
