@@ -247,6 +247,11 @@ def _coerce(key: str, value: Any, kind: type, meta: dict) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}={value!r}: expected an integer")
     elif kind is float:
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-9 (no dot) as a string
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r}: expected a number")
         value = float(value)

@@ -153,8 +153,12 @@ class Layout:
                             is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
 
 
-def build_layout(config: Config, devices: Sequence[Any] | None = None) -> Layout:
-    """The mesh, its rules and (on more than one device) the expert dispatch plan."""
+def build_layout(config: Config, devices: Sequence[Any] | None = None, platform: str | None = None) -> Layout:
+    """The mesh, its rules and (on more than one device) the expert dispatch plan.
+
+    `platform` names the backend the program is for when it is not the one running
+    (lowering for CUDA on a CPU host); it decides whether ragged all-to-all is native.
+    """
     mesh = build_mesh(config, devices)
     rules = resolve_rules(config)
     plan = None
@@ -162,7 +166,7 @@ def build_layout(config: Config, devices: Sequence[Any] | None = None) -> Layout
         from maxmoe.parallel.dispatch import make_dispatch_plan
 
         plan = make_dispatch_plan(mesh, config.moe, token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
-                                  expert_axis="expert", tensor_axis="tensor",
+                                  expert_axis="expert", tensor_axis="tensor", platform=platform,
                                   weight_specs={name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in
                                                 (("w_gate", ("expert", "embed", "expert_mlp")),
                                                  ("w_up", ("expert", "embed", "expert_mlp")),

@@ -92,13 +92,14 @@ def train(config: Config) -> int:
                                   step_lib.unbox(boxed), state_shardings)
     restored = ckpt.restore_latest(abstract_state)
     if restored is not None:
-        state, data_state = restored
-        train_data.set_state(data_state)
+        # The step folder's number, not state.step: skipped (non-finite) steps do not advance state.step.
+        state, start = restored.state, restored.step
+        train_data.set_state(restored.data)
     else:
         state = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=state_shardings)(rng)
         if config.checkpoint.init_from:
             state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, abstract_state))
-    start = int(jax.device_get(state.step))
+        start = 0
 
     # -- compiled steps --------------------------------------------------------------------
     train_step = jax.jit(step_lib.make_train_step(config, optimizer, layout),
@@ -143,12 +144,6 @@ def train(config: Config) -> int:
             last_time, last_step = time.perf_counter(), step
         if profile and step == profile[1] + 1:
             jax.profiler.stop_trace()
-        # Read the previous step's counter so one step stays in flight.
-        if pending is not None and int(pending) >= t.max_bad_steps:
-            ckpt.wait()
-            raise SystemExit(f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or "
-                             f"gradient; the last good checkpoint is in {ckpt.directory}")
-        pending = metrics["bad_steps"]
         if step % t.log_every == 0 or step == t.steps:
             host = jax.device_get(metrics)
             now = time.perf_counter()
@@ -166,6 +161,18 @@ def train(config: Config) -> int:
         if step % t.eval_every == 0 or step == t.steps:
             logger.log({"step": step, "eval_loss": evaluate(state)})
             last_time = time.perf_counter()  # evaluation is not training time
+        # Read the previous step's counter so one step stays in flight. Skipped steps left the
+        # parameters as the last finite step made them, so the state saved here is a good one.
+        if pending is not None and int(pending) >= t.max_bad_steps:
+            ckpt.save(step, state, train_data.get_state(), force=True)
+            ckpt.close()
+            logger.close()
+            if is_main:
+                print(f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or gradient "
+                      f"norm and were skipped; the last good parameters are saved as step {step} in "
+                      f"{ckpt.directory}", file=sys.stderr)
+            return 1
+        pending = metrics["bad_steps"]
         ckpt.save(step, state, train_data.get_state(), force=step == t.steps or stop.requested is not None)
         if stop.requested:
             ckpt.wait()

@@ -18,6 +18,7 @@ def test_configs_folder_is_not_empty():
     assert {"tiny.yaml", "deepseek_v3_671b.yaml"} <= names
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_parses(path):
     config = load_config([str(path)])
@@ -161,6 +162,7 @@ def run_cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.smoke
 def test_cli_bad_key_is_one_line_exit_2():
     result = run_cli("--config", "configs/tiny.yaml", "model.hiden=3")
     assert result.returncode == 2, result.stderr

@@ -137,6 +137,17 @@ def test_matches_single_device(strategy, shape):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_expert_mlp_replicated_over_tensor(strategy):
+    # F whole on every device of a tensor axis of 2: both tensor ranks compute the same
+    # thing and no reduction over tensor may happen (it would double the output).
+    specs = {"w_gate": P("expert", None, None), "w_up": P("expert", None, None), "w_down": P("expert", None, None)}
+    plan = make_dispatch_plan(make_mesh((2, 2, 2)), MoEConfig(dispatch=strategy, capacity_factor=4.0),
+                              token_axes=("data", "expert"), weight_specs=specs, platform="cpu")
+    assert plan.tensor_axis is None
+    assert_matches(plan, random_problem(11, 8, 4, 8, 2))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_skewed_routing_all_tokens_to_the_same_experts(strategy):
     # Every token picks experts 0 and 1: both on expert rank 0 of a (2, 4, 1) mesh,
     # which receives everything while ranks 1-3 receive nothing.

@@ -14,6 +14,7 @@ import pytest
 from maxmoe import distributed
 from maxmoe.config import UserError, load_config
 
+REAL_WAIT = distributed.wait_for_coordinator
 LAUNCH_VARS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JOBSET_NAME", "JAX_COORDINATOR_ADDRESS",
                "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JOB_COMPLETION_INDEX")
 
@@ -27,6 +28,8 @@ def calls(monkeypatch):
     recorded = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: recorded.append(("initialize", kwargs)))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed, "wait_for_coordinator",
+                        lambda address, timeout_s: recorded.append(("wait", address, timeout_s)))
     real_update = jax.config.update
 
     def update(name, value):
@@ -88,6 +91,7 @@ def test_auto_passes_coordinator_from_environment(calls, monkeypatch):
     monkeypatch.setenv("JAX_NUM_PROCESSES", "72")
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "5")
     distributed.initialize(_dist("dist.mode=auto"))
+    assert ("wait", "maxmoe-workers-0-0.maxmoe:6666", 300) in calls
     assert calls[-1] == ("initialize", {"coordinator_address": "maxmoe-workers-0-0.maxmoe:6666",
                                         "num_processes": 72, "process_id": 5, "initialization_timeout": 300})
     monkeypatch.setenv("JAX_PROCESS_ID", "23")  # an explicit id wins over the pod index
@@ -102,8 +106,15 @@ def test_auto_with_partial_environment_lets_jax_fill_the_rest(monkeypatch):
 def test_explicit_passes_the_config(calls):
     distributed.initialize(_dist("dist.mode=explicit", "dist.coordinator_address=10.1.2.3:5678",
                                  "dist.num_processes=4", "dist.process_id=3", "dist.timeout_s=60"))
+    assert ("wait", "10.1.2.3:5678", 60) in calls  # a worker checks the coordinator first
     assert calls[-1] == ("initialize", {"coordinator_address": "10.1.2.3:5678", "num_processes": 4,
                                         "process_id": 3, "initialization_timeout": 60})
+
+
+def test_process_zero_does_not_wait_for_itself(calls):
+    distributed.initialize(_dist("dist.mode=explicit", "dist.coordinator_address=10.1.2.3:5678",
+                                 "dist.num_processes=4", "dist.process_id=0"))
+    assert not [c for c in calls if c[0] == "wait"]
 
 
 def test_explicit_single_process_needs_no_cpu_collectives(calls):
@@ -123,7 +134,7 @@ def test_failure_is_a_one_line_user_error(monkeypatch, calls):
     def refuse(**kwargs):
         raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out\nlong details\nmore details")
 
-    monkeypatch.setattr(jax.distributed, "initialize", refuse)
+    monkeypatch.setattr(jax.distributed, "initialize", refuse)  # e.g. a mismatched process count
     with pytest.raises(UserError) as error:
         distributed.initialize(_dist("dist.mode=explicit", "dist.coordinator_address=10.9.9.9:1",
                                      "dist.num_processes=2", "dist.process_id=1", "dist.timeout_s=5"))
@@ -144,9 +155,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_unreachable_coordinator_is_a_user_error_not_an_abort(calls):
+def test_unreachable_coordinator_is_a_user_error_not_an_abort(calls, monkeypatch):
     # In this jaxlib an unreachable coordinator aborts the process from C++ (exit 134), so
     # workers check the address first.
+    monkeypatch.setattr(distributed, "wait_for_coordinator", REAL_WAIT)
     port = _free_port()
     with pytest.raises(UserError, match=f"cannot reach the jax.distributed coordinator at 127.0.0.1:{port}"):
         distributed.initialize(_dist("dist.mode=explicit", f"dist.coordinator_address=127.0.0.1:{port}",

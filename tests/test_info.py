@@ -1,5 +1,5 @@
 """Parameter counts and FLOPs: the published DeepSeek-V3 figures, a hand count from the
-architecture numbers, and the real initialised parameters of the tiny model."""
+architecture numbers, and the initialised parameters of the tiny model."""
 
 import json
 import math
@@ -23,25 +23,53 @@ DENSE_MLP, EXPERT_MLP, ROUTED, SHARED, TOP_K = 18432, 2048, 256, 1, 8
 HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD = 128, 1536, 512, 128, 64, 128
 
 
-def hand_count_671b() -> dict[str, int]:
-    embedding = V * D
-    head = D * V
-    final_norm = D
-    attention = (D * Q_LORA  # q_a_proj
-                 + Q_LORA  # q_a_layernorm
-                 + Q_LORA * HEADS * (NOPE + ROPE)  # q_b_proj
-                 + D * (KV_LORA + ROPE)  # kv_a_proj_with_mqa: latent + shared rope key
-                 + KV_LORA  # kv_a_layernorm
-                 + KV_LORA * HEADS * (NOPE + V_HEAD)  # kv_b_proj
-                 + HEADS * V_HEAD * D)  # o_proj
-    layer_norms = 2 * D  # input_layernorm, post_attention_layernorm
-    dense_mlp = 3 * D * DENSE_MLP
-    expert = 3 * D * EXPERT_MLP
-    moe = ROUTED * expert + SHARED * expert + D * ROUTED  # experts, shared expert, gate
-    total = (embedding + head + final_norm + LAYERS * (attention + layer_norms) + DENSE * dense_mlp
-             + (LAYERS - DENSE) * moe)
-    active = total - (LAYERS - DENSE) * (ROUTED - TOP_K) * expert
-    return {"params_total": total, "params_active": active}
+def hand_count(m) -> dict[str, int]:
+    """Parameters of a DeepSeek-V3 config counted by hand from its architecture numbers."""
+    d, h = m.hidden_size, m.num_heads
+    embedding = m.vocab_size * d
+    head = d * m.vocab_size
+    final_norm = d
+    if m.q_lora_rank:
+        query = (d * m.q_lora_rank  # q_a_proj
+                 + m.q_lora_rank  # q_a_layernorm
+                 + m.q_lora_rank * h * (m.qk_nope_head_dim + m.qk_rope_head_dim))  # q_b_proj
+    else:
+        query = d * h * (m.qk_nope_head_dim + m.qk_rope_head_dim)  # q_proj
+    attention = (query
+                 + d * (m.kv_lora_rank + m.qk_rope_head_dim)  # kv_a_proj_with_mqa: latent + shared rope key
+                 + m.kv_lora_rank  # kv_a_layernorm
+                 + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)  # kv_b_proj
+                 + h * m.v_head_dim * d)  # o_proj
+    layer_norms = 2 * d  # input_layernorm, post_attention_layernorm
+    dense_mlp = 3 * d * m.mlp_dim
+    expert = 3 * d * m.moe_mlp_dim
+    moe = m.num_experts * expert + m.num_shared_experts * expert + d * m.num_experts  # experts, shared, gate
+    moe_layers = m.num_layers - m.first_k_dense
+    total = (embedding + head + final_norm + m.num_layers * (attention + layer_norms) + m.first_k_dense * dense_mlp
+             + moe_layers * moe)
+    active = total - moe_layers * (m.num_experts - m.experts_per_token) * expert
+    # Each MTP depth beyond the shared embedding and head: enorm, hnorm, eh_proj, one MoE layer, its output norm.
+    mtp = m.mtp_num_layers * (d + d + 2 * d * d + attention + layer_norms + moe + d)
+    return {"params_total": total, "params_active": active, "params_mtp": mtp}
+
+
+def test_hand_count_671b_architecture_numbers():
+    """The hand count, fed the release's numbers written out here, gives the published figures."""
+    class Release:  # deepseek-ai/DeepSeek-V3 config.json
+        vocab_size, hidden_size, num_layers, first_k_dense = V, D, LAYERS, DENSE
+        mlp_dim, moe_mlp_dim, num_experts, num_shared_experts, experts_per_token = (DENSE_MLP, EXPERT_MLP, ROUTED,
+                                                                                     SHARED, TOP_K)
+        num_heads, q_lora_rank, kv_lora_rank = HEADS, Q_LORA, KV_LORA
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim = NOPE, ROPE, V_HEAD
+        mtp_num_layers = 1
+
+    counts = hand_count(Release)
+    assert counts["params_total"] == pytest.approx(671_026_404_352, rel=1e-4)
+    assert counts["params_active"] == pytest.approx(37_552_282_624, rel=5e-4)
+    # The release checkpoint's 685B: the main model plus the MTP module, which stores its own copies of
+    # the embedding and head.
+    assert counts["params_total"] + counts["params_mtp"] + 2 * V * D == pytest.approx(685e9, rel=1e-3)
+    assert counts == hand_count(load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model)
 
 
 @pytest.fixture(scope="module")
@@ -59,25 +87,20 @@ def test_info_671b_matches_published_figures(info_671b):
     assert info_671b["params_active"] == pytest.approx(37_552_282_624, rel=5e-4)
     assert info_671b["flops_per_token"] == pytest.approx(2.6e11, rel=0.03)
     assert info_671b["seq_len"] == 4096
+    assert info_671b["params_total"] == hand_count(load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model)[
+        "params_total"]
 
 
-def test_hand_count_671b_equals_count_params(info_671b):
-    want = hand_count_671b()
-    assert want["params_total"] == pytest.approx(671_026_404_352, rel=1e-4)  # the hand count itself
-    model = load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model
-    got = count_params(model)
-    assert got["params_total"] == want["params_total"]
-    assert got["params_active"] == want["params_active"]
-    assert info_671b["params_total"] == want["params_total"]
-    # MTP module beyond the shared embedding and head: enorm, hnorm, eh_proj, one MoE layer, its norm.
-    mtp = D + D + 2 * D * D + (hand_count_per_moe_layer()) + D
-    assert got["params_mtp"] == mtp
+@pytest.mark.smoke
+@pytest.mark.parametrize("name", ["deepseek_v3_671b.yaml", "tiny.yaml"])
+def test_hand_count_equals_count_params(name):
+    model = load_config([str(REPO / "configs" / name)]).model
+    assert count_params(model) == hand_count(model)
 
 
-def hand_count_per_moe_layer() -> int:
-    attention = (D * Q_LORA + Q_LORA + Q_LORA * HEADS * (NOPE + ROPE) + D * (KV_LORA + ROPE) + KV_LORA
-                 + KV_LORA * HEADS * (NOPE + V_HEAD) + HEADS * V_HEAD * D)
-    return attention + 2 * D + (ROUTED + SHARED) * 3 * D * EXPERT_MLP + D * ROUTED
+def test_hand_count_without_q_lora():
+    model = load_config([str(REPO / "configs/tiny.yaml")], ["model.q_lora_rank=0", "model.num_shared_experts=2"]).model
+    assert count_params(model) == hand_count(model)
 
 
 def test_flops_per_token_hand_count_671b():
@@ -94,10 +117,12 @@ def test_flops_per_token_hand_count_671b():
 
 
 def test_tiny_count_params_equals_initialised_params():
-    from maxmoe.model.transformer import init_variables
+    from maxmoe.model.transformer import build_model
 
     model = load_config([str(REPO / "configs/tiny.yaml")]).model
-    variables = nn.unbox(init_variables(model, jax.random.key(0)))
+    # The shapes of a real init, traced without running it (compiling the random init costs ~20 s on CPU).
+    variables = jax.eval_shape(
+        lambda: nn.unbox(build_model(model).init(jax.random.key(0), jax.numpy.zeros((2, 16), jax.numpy.int32))))
     params = variables["params"]
     main = {k: v for k, v in params.items() if not k.startswith("mtp_")}
     mtp = {k: v for k, v in params.items() if k.startswith("mtp_")}

@@ -30,13 +30,16 @@ def tiny_model(*overrides):
     return load_config([TINY], ["model.compute_dtype=float32", *overrides]).model
 
 
-def random_variables(shapes, seed, std=0.3, bias_std=0.3):
-    """NumPy draws for every variable: norm scales ~ 1 + 0.2 N, router biases ~ bias_std N, others ~ std N."""
+def random_variables(shapes, seed, std=0.3, bias_std=0.3, router_std=None):
+    """NumPy draws for every variable: norm scales ~ 1 + 0.2 N, router biases ~ bias_std N,
+    router gates ~ router_std N (default std), others ~ std N."""
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
         names = [getattr(p, "key", str(p)) for p in path]
-        if names[-1] == "scale":
+        if names[-2:] == ["router", "w_gate"] and router_std is not None:
+            value = router_std * rng.normal(size=leaf.shape)
+        elif names[-1] == "scale":
             value = 1.0 + 0.2 * rng.normal(size=leaf.shape)
         elif names[0] == "router":
             value = bias_std * rng.normal(size=leaf.shape)
@@ -134,6 +137,7 @@ def reference_moe(x_BTD, variables, m):
     return y.reshape(b, t, d), load, seq_aux
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("overrides", [
     (),  # tiny.yaml: 8 experts in 4 groups, top-2 groups, top-2 experts, 1 shared
     ("model.num_experts=16", "model.num_expert_groups=8", "model.topk_groups=3", "model.experts_per_token=3",
@@ -146,9 +150,17 @@ def test_moe_matches_loop_over_experts(overrides):
     x = rng.normal(size=(2, 12, m.hidden_size)).astype(np.float32)
     module = MoE(m)
     shapes = jax.eval_shape(lambda: nn.unbox(module.init(jax.random.key(0), jnp.asarray(x))))
-    variables = random_variables({k: shapes[k] for k in ("params", "router")}, seed=1, std=0.3, bias_std=0.3)
+    variables = random_variables({k: shapes[k] for k in ("params", "router")}, seed=1, std=0.1, bias_std=0.3,
+                                 router_std=0.3)
+    e, d, f = m.num_experts, m.hidden_size, m.moe_mlp_dim
+    assert shapes["params"]["w_gate"].shape == (e, d, f) and shapes["params"]["w_down"].shape == (e, f, d)
+    if m.num_shared_experts:  # the shared experts fused into one SwiGLU of width F x shared
+        assert shapes["params"]["shared"]["w_up"].shape == (d, f * m.num_shared_experts)
+    else:
+        assert "shared" not in shapes["params"]
     out, stats = jax.jit(lambda v, x: module.apply(v, x, mutable=["moe_stats"]))(variables, jnp.asarray(x))
     want, load, seq_aux = reference_moe(x.astype(np.float64), variables, m)
+    assert 0.1 < np.abs(want).max() < 10  # a signal of order one, where 1e-5 means float32 agreement
     np.testing.assert_allclose(np.asarray(out), want, **TOL)
     router_stats = stats["moe_stats"]["router"]
     np.testing.assert_array_equal(np.asarray(router_stats["load"]), load)
@@ -165,7 +177,7 @@ def test_moe_bias_changes_routing():
     shapes = jax.eval_shape(lambda: nn.unbox(module.init(jax.random.key(0), jnp.asarray(x))))
     variables = random_variables({k: shapes[k] for k in ("params", "router")}, seed=3, bias_std=0.0)
     variables["router"]["router"]["bias"] = jnp.zeros(m.num_experts).at[5].set(10.0)
-    _, stats = module.apply(variables, jnp.asarray(x), mutable=["moe_stats"])
+    _, stats = jax.jit(lambda v, x: module.apply(v, x, mutable=["moe_stats"]))(variables, jnp.asarray(x))
     assert float(stats["moe_stats"]["router"]["load"][5]) == 8.0
 
 
@@ -190,8 +202,8 @@ def reference_frequencies(m):
     return freqs / m.rope_factor * (1 - smooth) + freqs * smooth
 
 
-def np_rotate(x_TR, positions_T, freqs):
-    z = (x_TR[:, 0::2] + 1j * x_TR[:, 1::2]) * np.exp(1j * positions_T[:, None] * freqs[None, :])
+def np_rotate(x_TR, positions_T, freqs, magnitude=1.0):
+    z = (x_TR[:, 0::2] + 1j * x_TR[:, 1::2]) * magnitude * np.exp(1j * positions_T[:, None] * freqs[None, :])
     return np.stack([z.real, z.imag], axis=-1).reshape(x_TR.shape)
 
 
@@ -201,19 +213,22 @@ def reference_mla(x_BTD, positions_BT, params, m):
     nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
     freqs = reference_frequencies(m)
     scale = (nope + rope) ** -0.5
+    magnitude = 1.0  # Hugging Face's YaRN attention_factor on cos and sin
     if m.rope_scaling == "yarn":
-        scale *= (0.1 * m.rope_mscale_all_dim * math.log(m.rope_factor) + 1.0) ** 2
+        mscale_all = 0.1 * m.rope_mscale_all_dim * math.log(m.rope_factor) + 1.0
+        scale *= mscale_all ** 2
+        magnitude = (0.1 * m.rope_mscale * math.log(m.rope_factor) + 1.0) / mscale_all
     out = np.zeros_like(x_BTD)
     for batch in range(b):
         x = x_BTD[batch]
         pos = positions_BT[batch].astype(np.float64)
         latent = np_rms_norm(x @ p["w_kv_down"], p["kv_norm"]["scale"], m.rms_norm_eps)
-        k_rope = np_rotate(x @ p["w_k_rope"], pos, freqs)  # one rope key shared by all heads
+        k_rope = np_rotate(x @ p["w_k_rope"], pos, freqs, magnitude)  # one rope key shared by all heads
         if m.q_lora_rank:
             q_latent = np_rms_norm(x @ p["w_q_down"], p["q_norm"]["scale"], m.rms_norm_eps)
         for h in range(m.num_heads):
             q = q_latent @ p["w_q_up"][:, h, :] if m.q_lora_rank else x @ p["w_q"][:, h, :]
-            q = np.concatenate([q[:, :nope], np_rotate(q[:, nope:], pos, freqs)], axis=-1)
+            q = np.concatenate([q[:, :nope], np_rotate(q[:, nope:], pos, freqs, magnitude)], axis=-1)
             k = np.concatenate([latent @ p["w_k_up"][:, h, :], k_rope], axis=-1)
             v = latent @ p["w_v_up"][:, h, :]
             scores = q @ k.T * scale
@@ -224,11 +239,13 @@ def reference_mla(x_BTD, positions_BT, params, m):
     return out
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("overrides", [
     (),
     ("model.q_lora_rank=0",),
     ("model.rope_scaling=none", "model.num_heads=2", "model.qk_rope_head_dim=16"),
-], ids=["q_lora", "no_q_lora", "no_yarn"])
+    ("model.rope_mscale=0.707", "model.rope_factor=40", "model.rope_original_max_position=4"),
+], ids=["q_lora", "no_q_lora", "no_yarn", "yarn_mscale_differs"])
 def test_mla_matches_per_head_attention(overrides):
     m = tiny_model(*overrides)
     rng = np.random.default_rng(4)
@@ -292,14 +309,23 @@ def test_mtp_logits_compose_final_hidden_state_with_next_embedding(tiny_setup):
     """mtp[t] = head(MTPLayer(final_norm(h)[t], embed(token[t+1]))): shared embedding and head."""
     m, model, variables, apply, tokens = tiny_setup
     (_, (mtp,)), _ = apply(variables, jnp.asarray(tokens))
-    _, state = model.apply(variables, jnp.asarray(tokens), capture_intermediates=True, mutable=["intermediates"])
-    final_hidden = state["intermediates"]["final_norm"]["__call__"][0]
+
+    @jax.jit
+    def final_hidden_of(v, tokens):
+        _, state = model.apply(v, tokens, capture_intermediates=True, mutable=["intermediates", "moe_stats"])
+        return state["intermediates"]["final_norm"]["__call__"][0]
+
+    @jax.jit
+    def mtp_layer(v, hidden, embedding, positions):
+        return MTPLayer(m).apply(v, hidden, embedding, positions, mutable=["moe_stats"])[0]
+
+    final_hidden = final_hidden_of(variables, jnp.asarray(tokens))
     p = variables["params"]
     next_tokens = np.concatenate([tokens[:, 1:], np.zeros((2, 1), np.int32)], axis=1)
     next_embedding = np.asarray(p["embed"]["embedding"])[next_tokens]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    _, normed = MTPLayer(m).apply({"params": p["mtp_0"], "router": variables["router"]["mtp_0"]}, final_hidden,
-                                  jnp.asarray(next_embedding), positions, mutable=["moe_stats"])[0]
+    _, normed = mtp_layer({"params": p["mtp_0"], "router": variables["router"]["mtp_0"]}, final_hidden,
+                          jnp.asarray(next_embedding), positions)
     want = np.asarray(normed, np.float64) @ np.asarray(p["head"], np.float64)
     np.testing.assert_allclose(np.asarray(mtp)[:, :-1], want[:, :-1], **TOL)
 
@@ -344,6 +370,6 @@ def test_gradients_finite_and_reach_every_parameter(tiny_setup):
 def test_logits_helper_equals_apply(tiny_setup):
     m, _, variables, apply, tokens = tiny_setup
     (want, _), _ = apply(variables, jnp.asarray(tokens))
-    got = maxmoe.model.logits(m, dict(variables, moe_stats={}), tokens)
+    got = jax.jit(lambda v, t: maxmoe.model.logits(m, v, t))(dict(variables, moe_stats={}), tokens)
     assert got.shape == (2, 16, m.vocab_size) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)

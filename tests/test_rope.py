@@ -36,6 +36,7 @@ def v3_671b() -> ModelConfig:
     return load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dim,base,factor,original,fast,slow", [
     (64, 10000.0, 40.0, 4096, 32.0, 1.0),  # DeepSeek-V3 671B
     (8, 10000.0, 4.0, 64, 32.0, 1.0),  # tiny.yaml
@@ -88,6 +89,7 @@ def test_rotary_magnitude_when_mscales_differ():
     assert rotary_magnitude(m) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("scaling", ["none", "yarn"])
 def test_apply_rope_is_complex_multiplication_of_adjacent_pairs(scaling):
     m = ModelConfig(qk_rope_head_dim=8, rope_theta=10000.0, rope_scaling=scaling, rope_factor=4.0,

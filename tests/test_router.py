@@ -75,6 +75,7 @@ def random_inputs(seed, n, e, bias_scale=0.3):
     return logits, bias
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kw", [
     dict(),
     dict(num_experts=8, num_expert_groups=4, topk_groups=2, experts_per_token=2),

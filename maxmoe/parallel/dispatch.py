@@ -26,6 +26,14 @@ Tokens are replicated over `tensor`; when F is sharded each tensor rank computes
 partial sum of the down projection, reduced by one psum over `tensor` on the combined
 [n, D] output (K times smaller than the copies). D enters unsharded: under FSDP XLA
 all-gathers the weight shards before the shard_map and reduce-scatters their gradients.
+Receive buffer (ragged_a2a): a token's top-k experts are distinct, so it sends at most
+min(K, L) copies to one expert rank (L = E / P local experts); the dropless worst case,
+every token of every source choosing the same rank, is P x n x min(K, L) rows per rank
+(n tokens per shard) -- P times the n x K rows it holds on average. With
+`moe.buffer_factor` = b > 0 the buffer is min(ceil(b x n x K), that bound) rows; rows
+that do not fit are not sent (later sources' highest local experts first), their copies
+contribute zero and are counted in the dropped fraction.
+
 When B*T is not a multiple of the number of token shards, padding tokens (expert id E,
 weight 0) fill the last shard; they are never sent and never counted.
 

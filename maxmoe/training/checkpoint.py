@@ -1,22 +1,110 @@
 """Checkpoints on orbax's CheckpointManager: asynchronous, atomic, resumable on any mesh.
 
-A checkpoint step folder holds `state` (params, optimizer state, router biases, step and
-counters), `data` (the data iterator's position, JSON) and `config` (the resolved
-config, JSON). Orbax writes each step into a temporary folder and renames it when
-complete, so a half-written step is never picked up. Arrays are restored straight into
-the shardings of the current mesh, whatever mesh wrote them.
+    run.dir/checkpoints/<step>/state    params, optimizer state, router biases, step, counters
+                              /data     the data iterator's position (JSON)
+                              /config   the resolved config (JSON)
+
+Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when every item is
+complete, so a step that was being written when the process died is never picked up
+(and is overwritten when that step is saved again). Arrays are restored straight into
+the shardings of the current mesh, whatever mesh or device count wrote them.
+
+Before restoring, the stored tree is checked against the state this config builds (every
+array present, same shapes), so a checkpoint of another model, or one that cannot be
+read, stops the job with one line naming the step folder; nothing is deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 from maxmoe.config import Config, UserError
 
+STEP_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress step folders
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpointer.restore_latest` returns: the step folder's number, state and data position."""
+
+    step: int
+    state: Any
+    data: dict
+
+
+def _handlers(*names: str) -> dict:
+    import orbax.checkpoint as ocp
+
+    kinds = {"state": ocp.StandardCheckpointHandler, "params": ocp.PyTreeCheckpointHandler,
+             "data": ocp.JsonCheckpointHandler, "config": ocp.JsonCheckpointHandler}
+    # "params" reads the state item with the handler that can restore part of a tree.
+    return {("state" if name == "params" else name): kinds[name]() for name in names}
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Hold back orbax's absl error logs while reading: a step that cannot be read becomes our one line."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
+
+
+def _leaf_paths(tree: Any) -> dict[str, Any]:
+    """{'params/embed/embedding': leaf, ...} with dict keys, attributes and indices alike as names."""
+    import jax
+
+    def name(key) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(name(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _model_differences(saved_config: Any, config: Config) -> str:
+    """' (model.hidden_size: 128 there, 64 here; ...)' from the configs, or ''."""
+    if not isinstance(saved_config, dict) or not isinstance(saved_config.get("model"), dict):
+        return ""
+    here, there = config.to_dict()["model"], saved_config["model"]
+    diffs = [f"model.{k}: {there.get(k)!r} there, {here.get(k)!r} here"
+             for k in sorted(set(here) | set(there)) if there.get(k) != here.get(k)]
+    return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''})" if diffs else ""
+
+
+def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "") -> None:
+    """UserError unless every array of `target_tree` is in `stored_tree` with the same shape."""
+    stored, target = _leaf_paths(stored_tree), _leaf_paths(target_tree)
+    missing = [p for p in target if p not in stored]
+    if missing:
+        raise UserError(f"{where} does not fit this model: it has no {missing[0]}"
+                        f"{f' (and {len(missing) - 1} more arrays)' if len(missing) > 1 else ''}{hint}")
+    for path, leaf in target.items():
+        shape = tuple(getattr(stored[path], "shape", None) or ())
+        if shape != tuple(leaf.shape):
+            raise UserError(f"{where} does not fit this model: {path} has shape {shape} there, "
+                            f"{tuple(leaf.shape)} here{hint}")
+
 
 class Checkpointer:
-    """Saves every `checkpoint.every` steps (and when forced), restores the latest complete step."""
+    """Saves every `checkpoint.every` steps (and when forced), restores the latest complete step.
+
+    Every process calls every method (orbax coordinates the processes); only orbax writes.
+    """
 
     def __init__(self, config: Config, run_dir: Path, *, is_main: bool):
         self.config = config
@@ -32,7 +120,8 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=c.keep, keep_period=c.keep_every or None, create=True,
                 enable_async_checkpointing=c.async_save)
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                                  item_handlers=_handlers("state", "data", "config"))
         return self._manager
 
     def check_start(self) -> None:
@@ -45,12 +134,18 @@ class Checkpointer:
                             f"choose a new run.dir or set checkpoint.resume=true")
 
     def latest_step(self) -> int | None:
-        if not self.directory.exists():
+        """The newest complete step folder (in-progress `*.orbax-checkpoint-tmp` folders never count)."""
+        if not self.directory.is_dir():
             return None
-        return self._open().latest_step()
+        with _quiet_orbax():
+            return self._open().latest_step()
 
-    def restore_latest(self, abstract_state: Any):
-        """(state, data_state) from the latest complete step, or None when there is none."""
+    def restore_latest(self, abstract_state: Any) -> Restored | None:
+        """The latest complete step restored into `abstract_state`'s shardings, or None when there is none.
+
+        A step that does not fit this model or cannot be read is a UserError (not a fallback
+        to an older step: the user decides which checkpoint to trust).
+        """
         if not self.config.checkpoint.resume:
             return None
         step = self.latest_step()
@@ -58,16 +153,34 @@ class Checkpointer:
             return None
         import orbax.checkpoint as ocp
 
-        try:
-            restored = self._open().restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, FileNotFoundError, TypeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"cannot restore checkpoint step {step} from {self.directory}: {first}") from None
-        return restored["state"], restored["data"]
+        where = f"checkpoint {self.directory / str(step)}"
+        advice = ("; move that step folder away to resume from the one before it, or use a new run.dir "
+                  "(nothing was deleted)")
+        manager = self._open()
+        with _quiet_orbax():
+            try:
+                metadata = manager.item_metadata(step)
+                saved_config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
+                raise UserError(f"{where} cannot be read ({_first_line(e)}){advice}") from None
+            stored_state = metadata.get("state") if metadata is not None else None
+            if stored_state is None or not (self.directory / str(step) / "data").is_dir():
+                raise UserError(f"{where} is not a maxmoe training checkpoint (no state or data item){advice}")
+            check_fits(getattr(stored_state, "tree", stored_state), abstract_state, where,
+                       _model_differences(saved_config, self.config))
+            try:
+                restored = manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            except Exception as e:  # noqa: BLE001 - see above
+                raise UserError(f"{where} cannot be read ({_first_line(e)}){advice}") from None
+        return Restored(step=step, state=restored["state"], data=restored["data"])
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
-        """Start an asynchronous save when the interval says so or `force`; returns whether it did."""
+        """Start an asynchronous save when the interval says so or `force`; returns whether it did.
+
+        Returns once the arrays are copied off the device (the state may then be donated);
+        the files are written in the background and the step folder appears when complete.
+        """
         every = self.config.checkpoint.every
         if not force and not (every and step % every == 0):
             return False
@@ -75,12 +188,13 @@ class Checkpointer:
 
         manager = self._open()
         if manager.latest_step() == step:
-            return False
+            return False  # already saved (or being saved) at this step
         return manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(self.config.to_dict())), force=True)
 
     def wait(self) -> None:
+        """Block until every started save is complete on disk."""
         if self._manager is not None:
             self._manager.wait_until_finished()
 
@@ -92,22 +206,38 @@ class Checkpointer:
 
 
 def load_params(path: str, abstract_state: Any) -> dict:
-    """Parameters and router biases only (for converted weights), placed on the current mesh."""
+    """{'params', 'router'} from the latest step under `path` (a run.dir, its checkpoints/ or a
+    `save_params` folder), placed on the shardings of `abstract_state` (the current mesh)."""
     import orbax.checkpoint as ocp
+    from orbax.checkpoint import checkpoint_utils
 
-    folder = Path(path).absolute()
-    if not folder.exists():
+    folder = Path(path).expanduser().absolute()
+    if not folder.is_dir():
         raise UserError(f"checkpoint.init_from={path}: no such folder")
-    manager = ocp.CheckpointManager(folder / "checkpoints" if (folder / "checkpoints").exists() else folder)
-    step = manager.latest_step()
-    if step is None:
-        raise UserError(f"checkpoint.init_from={path}: no complete checkpoint step found")
-    target = {"params": abstract_state.params, "router": abstract_state.router}
+    directory = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
+                                    item_handlers=_handlers("params", "config"))
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=target, partial_restore=True)))
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"checkpoint.init_from={path}: {str(e).splitlines()[0]}") from None
+        step = manager.latest_step()
+        if step is None:
+            raise UserError(f"checkpoint.init_from={path}: no complete checkpoint step in {directory}")
+        where = f"checkpoint.init_from={path} (step {step})"
+        target = {"params": abstract_state.params, "router": abstract_state.router}
+        try:
+            metadata = manager.item_metadata(step)
+            stored = metadata.get("state") if metadata is not None else None
+        except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
+            raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
+        if stored is None:
+            raise UserError(f"{where}: not a maxmoe checkpoint (no state item)")
+        check_fits(getattr(stored, "tree", stored), target, where)
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target, restore_args=checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+        except Exception as e:  # noqa: BLE001 - see above
+            raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
+    finally:
+        manager.close()
     return {"params": restored["state"]["params"], "router": restored["state"]["router"]}
 
 
@@ -116,7 +246,8 @@ def save_params(folder: str | Path, params: Any, router: Any, config: Config, st
     import orbax.checkpoint as ocp
 
     directory = Path(folder).absolute() / "checkpoints"
-    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True)) as manager:
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True),
+                               item_handlers=_handlers("state", "config")) as manager:
         manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"params": params, "router": router}),
             config=ocp.args.JsonSave(config.to_dict())))

@@ -129,7 +129,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
             # Loads are summed over micro-batches (global counts); other stats averaged.
             aux["moe_stats"] = jax.tree_util.tree_map_with_path(
                 lambda p, v: v if getattr(p[-1], "key", "") == "load" else v / accum, aux["moe_stats"])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         router = update_router_bias(state.router, aux["moe_stats"], rate)

@@ -1,0 +1,183 @@
+"""Expert-parallel dispatch strategies side by side on 8 fake CPU devices: bytes, time, memory.
+
+    PYTHONPATH=. python benchmarks/dispatch.py [--proxy-tokens 512 --proxy-hidden 1024 ...]
+
+For each strategy on a tiny and a proxy-shaped MoE layer (one forward call, mesh
+data=1 x expert=8 x tensor=1, random balanced top-k routing) it prints:
+
+  hlo MB     bytes each device puts on the wire per layer, from the collectives in the
+             compiled HLO (`compiled.as_text()`): all-to-all and all-gather move
+             (P-1)/P of their buffer, reduce-scatter (P-1) x its output, all-reduce
+             2 (P-1)/P of its buffer (ring). On CPU ragged all-to-all is emulated with
+             dense [P, M, D] blocks, so this is far above what the GPU moves.
+  native MB  ragged_a2a only: what the native collective moves, from the actual send
+             sizes of this routing (off-device rows x D x bytes, out and back) plus
+             the all-gather of counts.
+  min MB     the analytic minimum: n x K x D x bytes, out and back, x (P-1)/P.
+  ms/call    wall time per forward call (CPU: only ratios mean anything).
+  temp MB    compiled.memory_analysis() temp bytes per device (args + outputs apart).
+  dropped    fraction of token copies dropped.
+
+Backward doubles every collective (each has a transposed twin).
+"""
+
+import os
+import shlex
+import sys
+
+os.environ["XLA_FLAGS"] = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+) + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from maxmoe.config import MoEConfig  # noqa: E402
+from maxmoe.parallel.dispatch import make_dispatch_plan  # noqa: E402
+
+WEIGHT_SPECS = {"w_gate": P("expert", None, "tensor"), "w_up": P("expert", None, "tensor"),
+                "w_down": P("expert", "tensor", None)}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
+COLLECTIVES = ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+OP_RE = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    name: str
+    tokens: int  # per (data, expert) shard
+    hidden: int
+    expert_mlp: int
+    experts: int
+    top_k: int
+
+
+def type_bytes(text):
+    total = 0
+    for dtype, dims in SHAPE_RE.findall(text):
+        total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def group_size(line, devices):
+    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if explicit:
+        return len(explicit.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    return int(iota.group(2)) if iota else devices
+
+
+def wire_bytes(hlo_text, devices):
+    """Bytes per device on the wire by collective kind, from the result types in the HLO."""
+    by_kind = {}
+    for line in hlo_text.splitlines():
+        match = OP_RE.search(line)
+        if not match:
+            continue
+        result, kind = match.group(1), match.group(2)
+        size, peers = type_bytes(result), group_size(line, devices)
+        factor = {"all-reduce": 2 * (peers - 1) / peers, "reduce-scatter": peers - 1,
+                  "collective-permute": 1.0}.get(kind, (peers - 1) / peers)
+        by_kind[kind] = by_kind.get(kind, 0) + size * factor
+    return by_kind
+
+
+def native_ragged_bytes(ids_NK, layer, ranks, bytes_per_value):
+    """Off-device rows of the real ragged all-to-all for this routing, out and back, mean per device."""
+    local = layer.experts // ranks
+    shard_NK = ids_NK.reshape(ranks, layer.tokens, layer.top_k)
+    off_device = sum(int(np.sum(shard_NK[s] // local != s)) for s in range(ranks)) / ranks
+    counts = ranks * layer.experts * 4 * (ranks - 1) / ranks
+    return 2 * off_device * layer.hidden * bytes_per_value + counts
+
+
+def make_inputs(layer, mesh, seed=0):
+    shards = mesh.shape["data"] * mesh.shape["expert"]
+    n = shards * layer.tokens
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    ids = np.argsort(np.random.default_rng(seed).random((n, layer.experts)), axis=-1)[:, :layer.top_k]
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    tokens = P(("data", "expert"))
+    x = put(jax.random.normal(keys[0], (n, 1, layer.hidden)), tokens)
+    weights = put(jax.random.uniform(keys[1], (n, 1, layer.top_k)), tokens)
+    scale = 1 / np.sqrt(layer.hidden)
+    w_gate = put(jax.random.normal(keys[2], (layer.experts, layer.hidden, layer.expert_mlp)) * scale,
+                 P("expert", None, "tensor"))
+    w_up = put(jax.random.normal(keys[3], (layer.experts, layer.hidden, layer.expert_mlp)) * scale,
+               P("expert", None, "tensor"))
+    w_down = put(jax.random.normal(keys[4], (layer.experts, layer.expert_mlp, layer.hidden)) * scale,
+                 P("expert", "tensor", None))
+    return ids, (x, put(jnp.asarray(ids, jnp.int32).reshape(n, 1, -1), tokens), weights, w_gate, w_up, w_down)
+
+
+def measure(layer, variant, moe, mesh, repeats):
+    ids, args = make_inputs(layer, mesh)
+    plan = make_dispatch_plan(mesh, moe, token_axes=("data", "expert"), weight_specs=WEIGHT_SPECS)
+    compiled = jax.jit(plan.routed_experts).lower(*args).compile()
+    y, dropped = compiled(*args)
+    jax.block_until_ready(y)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        y, _ = compiled(*args)
+    jax.block_until_ready(y)
+    seconds = (time.perf_counter() - start) / repeats
+    by_kind = wire_bytes(compiled.as_text(), mesh.size)
+    ranks = mesh.shape["expert"]
+    native = native_ragged_bytes(ids, layer, ranks, 4) if plan.strategy == "ragged_a2a" else None
+    minimum = 2 * layer.tokens * layer.top_k * layer.hidden * 4 * (ranks - 1) / ranks
+    memory = compiled.memory_analysis()
+    return dict(layer=layer.name, variant=variant, hlo=sum(by_kind.values()), native=native, minimum=minimum,
+                ms=seconds * 1e3, temp=memory.temp_size_in_bytes, dropped=float(dropped),
+                kinds=", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(by_kind.items())))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--proxy-tokens", type=int, default=256, help="tokens per shard (DeepSeek proxy: 4096)")
+    parser.add_argument("--proxy-hidden", type=int, default=512, help="D (proxy: 2048)")
+    parser.add_argument("--proxy-expert-mlp", type=int, default=128, help="F (proxy: 512)")
+    parser.add_argument("--proxy-experts", type=int, default=64)
+    parser.add_argument("--proxy-top-k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print("$ " + " ".join(shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
+                                                   sys.executable] + sys.argv))
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, float32, "
+          f"mesh data=1 x expert=8 x tensor=1, forward only\n")
+
+    mesh = Mesh(np.array(jax.devices()).reshape(1, 8, 1), ("data", "expert", "tensor"))
+    layers = [Layer("tiny", 64, 64, 32, 8, 2),
+              Layer("proxy", args.proxy_tokens, args.proxy_hidden, args.proxy_expert_mlp, args.proxy_experts,
+                    args.proxy_top_k)]
+    variants = [("ragged_a2a", MoEConfig(dispatch="ragged_a2a")),
+                ("ragged_a2a buffer 2.0", MoEConfig(dispatch="ragged_a2a", buffer_factor=2.0)),
+                ("allgather", MoEConfig(dispatch="allgather")),
+                ("capacity 1.25", MoEConfig(dispatch="capacity", capacity_factor=1.25))]
+    header = (f"{'layer':<6} {'variant':<22} {'hlo MB':>9} {'native MB':>9} {'min MB':>8} {'hlo/min':>7} "
+              f"{'ms/call':>8} {'temp MB':>8} {'dropped':>7}  collectives (MB on the wire)")
+    for layer in layers:
+        print(f"{layer.name}: {layer.tokens} tokens/shard, D={layer.hidden}, F={layer.expert_mlp}, "
+              f"E={layer.experts}, top-{layer.top_k}")
+    print()
+    print(header)
+    print("-" * len(header))
+    for layer in layers:
+        for variant, moe in variants:
+            r = measure(layer, variant, moe, mesh, args.repeats)
+            native = f"{r['native'] / 2**20:9.2f}" if r["native"] is not None else f"{'-':>9}"
+            print(f"{r['layer']:<6} {r['variant']:<22} {r['hlo'] / 2**20:9.2f} {native} {r['minimum'] / 2**20:8.2f} "
+                  f"{r['hlo'] / r['minimum']:7.1f} {r['ms']:8.1f} {r['temp'] / 2**20:8.1f} {r['dropped']:7.4f}  "
+                  f"{r['kinds']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,637 @@
+"""Hugging Face / DeepSeek-V3 release checkpoints <-> maxmoe parameters.
+
+Import (`python -m maxmoe.convert from-hf`, or `load_pretrained` in a notebook) reads
+config.json (release keys `rope_scaling` + `rope_theta`, or transformers 5.x
+`rope_parameters`) into a ModelConfig, and the safetensors shards into the maxmoe tree,
+one tensor at a time: `safe_open(...).get_tensor(name)` per name, written into its slot of
+the stacked [layers, ...] output. Host memory is the output arrays plus the largest single
+tensor; with a scratch folder (the command line uses one) output arrays of 64 MiB or more
+are memory-mapped `.npy` files, so resident memory stays near one stacked parameter.
+FP8 weights with a `weight_scale_inv` are dequantised block-wise (maxmoe.convert.fp8).
+Export (`to-hf`) writes the release layout back, loadable by transformers'
+DeepseekV3ForCausalLM: config.json in the release's key style, model.safetensors (or
+numbered shards and model.safetensors.index.json).
+
+Mapping (HF linear weights are [out, in]; maxmoe kernels are [in, out], attention split
+per head). Axis legend: D embed, H heads, N qk_nope, R qk_rope, V v_head, Q q_lora,
+L kv_lora, F mlp, E experts.
+
+    model.embed_tokens.weight [vocab, D]           embed.embedding (as is)
+    lm_head.weight [vocab, D]                      head [D, vocab]
+    model.norm.weight                              final_norm.scale
+    layers.i (i < first_k_dense)                   dense_layers[i]
+    layers.i (first_k_dense <= i < num_layers)     moe_layers[i - first_k_dense]
+    layers.(num_layers + k)                        mtp_k.block (+ the MTP-only tensors below)
+      input_layernorm / post_attention_layernorm   attn_norm.scale / mlp_norm.scale
+      self_attn.q_a_proj [Q, D]                    attention.w_q_down [D, Q]
+      self_attn.q_a_layernorm                      attention.q_norm.scale
+      self_attn.q_b_proj [H*(N+R), Q]              attention.w_q_up [Q, H, N+R]
+      self_attn.q_proj [H*(N+R), D] (Q = 0)        attention.w_q [D, H, N+R]
+      self_attn.kv_a_proj_with_mqa [L+R, D]        attention.w_kv_down [D, L] | w_k_rope [D, R]
+      self_attn.kv_a_layernorm                     attention.kv_norm.scale
+      self_attn.kv_b_proj [H*(N+V), L]             attention.w_k_up [L, H, N] | w_v_up [L, H, V]
+      self_attn.o_proj [D, H*V]                    attention.w_out [H, V, D]
+      mlp.{gate,up,down}_proj                      mlp.w_{gate,up,down} [D, F] / [F, D]
+      mlp.gate.weight [E, D]                       moe.router.w_gate [D, E]
+      mlp.gate.e_score_correction_bias [E]         router collection: moe.router.bias
+      mlp.experts.e.{gate,up,down}_proj            moe.w_{gate,up,down}[e]
+      mlp.shared_experts.{gate,up,down}_proj       moe.shared.w_{gate,up,down}
+    MTP only: enorm / hnorm / shared_head.norm     mtp_k.emb_norm / hidden_norm / out_norm
+              eh_proj [D, 2D]                      mtp_k.w_proj [2D, D]
+              embed_tokens, shared_head.head       copies of the shared embedding and head:
+                                                   skipped on import, written on export
+
+RoPE: maxmoe rotates adjacent pairs (2i, 2i+1) of the rope slice, which is what
+transformers does with `rope_interleave: true` (the release). With `rope_interleave: false`
+transformers pairs (i, i + R/2), so import permutes the rope rows of q_b_proj/q_proj and
+kv_a_proj_with_mqa into adjacent pairs; export always writes `rope_interleave: true`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from maxmoe.config import Config, ConfigError, ModelConfig, UserError, build_config
+
+SCRATCH_MIN_BYTES = 64 << 20  # output arrays at least this big are memory-mapped when a scratch folder is given
+DEFAULT_SHARD_BYTES = 5 << 30
+_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name not in _DTYPES:
+        raise UserError(f"dtype {name!r}: allowed values are float32, bfloat16")
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float32)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _get(hf: dict, key: str, default: Any = ..., *, where: str = "config.json") -> Any:
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is ...:
+        raise UserError(f"{where}: missing required key '{key}'")
+    return default
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """A maxmoe ModelConfig from a DeepSeek-V3 config.json (release or transformers 5.x keys)."""
+    model_type = hf.get("model_type", "deepseek_v3")
+    if model_type != "deepseek_v3":
+        raise UserError(f"{where}: model_type {model_type!r} is not supported (expected deepseek_v3)")
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("moe_layer_freq", 1),
+                          ("tie_word_embeddings", False)):
+        if key in hf and hf[key] is not None and hf[key] != expected:
+            raise UserError(f"{where}: {key}={hf[key]!r} is not supported (maxmoe needs {expected!r})")
+    if hf.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
+        raise UserError(f"{where}: topk_method={hf['topk_method']!r} is not supported (maxmoe routes as noaux_tc)")
+    heads = _get(hf, "num_attention_heads", where=where)
+    if hf.get("num_key_value_heads") not in (None, heads):
+        raise UserError(f"{where}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads "
+                        f"({heads}) in multi-head latent attention")
+    layers = _get(hf, "num_hidden_layers", where=where)
+    model = dict(
+        vocab_size=_get(hf, "vocab_size", where=where),
+        hidden_size=_get(hf, "hidden_size", where=where),
+        num_layers=layers,
+        first_k_dense=min(_get(hf, "first_k_dense_replace", 3), layers),
+        mlp_dim=_get(hf, "intermediate_size", where=where),
+        moe_mlp_dim=_get(hf, "moe_intermediate_size", where=where),
+        num_heads=heads,
+        q_lora_rank=_get(hf, "q_lora_rank", 0),
+        kv_lora_rank=_get(hf, "kv_lora_rank", where=where),
+        qk_nope_head_dim=_get(hf, "qk_nope_head_dim", where=where),
+        qk_rope_head_dim=_get(hf, "qk_rope_head_dim", where=where),
+        v_head_dim=_get(hf, "v_head_dim", where=where),
+        num_experts=_get(hf, "n_routed_experts", where=where),
+        num_shared_experts=_get(hf, "n_shared_experts", 0),
+        experts_per_token=_get(hf, "num_experts_per_tok", where=where),
+        num_expert_groups=_get(hf, "n_group", 1),
+        topk_groups=_get(hf, "topk_group", 1),
+        norm_topk_prob=_get(hf, "norm_topk_prob", True),
+        routed_scaling_factor=_get(hf, "routed_scaling_factor", 1.0),
+        score_func=_get(hf, "scoring_func", "sigmoid"),
+        rms_norm_eps=_get(hf, "rms_norm_eps", 1e-6),
+        max_position_embeddings=_get(hf, "max_position_embeddings", where=where),
+        mtp_num_layers=_get(hf, "num_nextn_predict_layers", 0),
+    )
+    model.update(_rope_from_hf(hf, where))
+    try:
+        return build_config({"model": model}).model
+    except ConfigError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _rope_from_hf(hf: dict, where: str) -> dict:
+    """The rope keys of ModelConfig from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": float(theta), "rope_scaling": "none"}
+    if kind != "yarn":
+        raise UserError(f"{where}: rope type {kind!r} is not supported (maxmoe has default and yarn)")
+    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise UserError(f"{where}: yarn 'attention_factor' / 'truncate: false' are not supported")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale is None and mscale_all_dim:
+        # transformers then uses the default temperature on cos/sin, which ModelConfig cannot express.
+        raise UserError(f"{where}: yarn with mscale_all_dim but no mscale is not supported")
+    return {
+        "rope_theta": float(theta), "rope_scaling": "yarn",
+        "rope_factor": float(_get(params, "factor", where=f"{where} rope parameters")),
+        "rope_original_max_position": int(_get(params, "original_max_position_embeddings",
+                                               where=f"{where} rope parameters")),
+        "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+        "rope_mscale": float(1.0 if mscale is None else mscale),
+        "rope_mscale_all_dim": float(mscale_all_dim or 0.0),
+    }
+
+
+def hf_config_from_model(m: ModelConfig, dtype: str) -> dict:
+    """config.json in the DeepSeek-V3 release's key style (rope_scaling + rope_theta)."""
+    rope_scaling = None
+    if m.rope_scaling == "yarn":
+        rope_scaling = {"type": "yarn", "factor": m.rope_factor,
+                        "original_max_position_embeddings": m.rope_original_max_position,
+                        "beta_fast": m.rope_beta_fast, "beta_slow": m.rope_beta_slow,
+                        "mscale": m.rope_mscale, "mscale_all_dim": m.rope_mscale_all_dim}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.mlp_dim,
+        "moe_intermediate_size": m.moe_mlp_dim, "num_hidden_layers": m.num_layers,
+        "num_nextn_predict_layers": m.mtp_num_layers, "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_heads, "n_shared_experts": m.num_shared_experts,
+        "n_routed_experts": m.num_experts, "routed_scaling_factor": m.routed_scaling_factor,
+        "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank or None,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+        "qk_nope_head_dim": m.qk_nope_head_dim, "topk_method": "noaux_tc", "n_group": m.num_expert_groups,
+        "topk_group": m.topk_groups, "num_experts_per_tok": m.experts_per_token, "moe_layer_freq": 1,
+        "first_k_dense_replace": m.first_k_dense, "norm_topk_prob": m.norm_topk_prob,
+        "scoring_func": m.score_func, "hidden_act": "silu", "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.rms_norm_eps, "tie_word_embeddings": False, "rope_theta": m.rope_theta,
+        "rope_scaling": rope_scaling, "rope_interleave": True, "attention_bias": False,
+        "attention_dropout": 0.0, "torch_dtype": dtype,
+    }
+
+
+# ----------------------------------------------------------------------------- the mapping
+
+
+class Tensor(NamedTuple):
+    """One HF tensor: its name and shape, how it splits into maxmoe slots, how it is rebuilt."""
+
+    name: str
+    shape: tuple
+    split: Callable[[np.ndarray], list]  # W -> [(collection, path, index, array)]
+    join: Callable[[Callable], np.ndarray]  # get(collection, path, index) -> W
+
+
+def _rope_order(m: ModelConfig, interleaved: bool) -> np.ndarray:
+    """Rope dims of an HF tensor in maxmoe's order: adjacent pairs; (i, i + R/2) pairs when not interleaved."""
+    r = m.qk_rope_head_dim
+    return np.arange(r) if interleaved else np.stack([np.arange(r // 2), np.arange(r // 2) + r // 2], 1).reshape(-1)
+
+
+def _linear(name, out_dim, in_dim, path, prefix=(), index=(), collection="params"):
+    """A plain linear weight [out, in] <-> a kernel [in, out]."""
+    full = prefix + path
+    return Tensor(name, (out_dim, in_dim), lambda w: [(collection, full, index, w.T)],
+                  lambda get: get(collection, full, index).T)
+
+
+def _vector(name, size, path, prefix=(), index=(), collection="params"):
+    full = prefix + path
+    return Tensor(name, (size,), lambda w: [(collection, full, index, w)], lambda get: get(collection, full, index))
+
+
+def _block_tensors(m: ModelConfig, hf_prefix: str, prefix: tuple, index: tuple, moe: bool,
+                   interleaved: bool) -> list[Tensor]:
+    """The HF tensors of one decoder layer, mapped to the maxmoe block at `prefix` (slot `index`)."""
+    d, h, n, r, v = m.hidden_size, m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    q, kv = m.q_lora_rank, m.kv_lora_rank
+    a = prefix + ("attention",)
+    rope = _rope_order(m, interleaved)
+    inverse = np.argsort(rope)
+    head_order = np.concatenate([np.arange(n), n + rope])  # per q head: [nope | rope]
+
+    def q_split(path, in_dim):
+        def split(w):  # [H*(N+R), in] -> [in, H, N+R]
+            return [("params", a + path, index, w.reshape(h, n + r, in_dim)[:, head_order].transpose(2, 0, 1))]
+        return split
+
+    def q_join(path, in_dim):
+        def join(get):
+            return get("params", a + path, index).transpose(1, 2, 0)[:, np.argsort(head_order)].reshape(h * (n + r), in_dim)
+        return join
+
+    def kv_a_split(w):  # [L+R, D]
+        return [("params", a + ("w_kv_down",), index, w[:kv].T),
+                ("params", a + ("w_k_rope",), index, w[kv:][rope].T)]
+
+    def kv_a_join(get):
+        return np.concatenate([get("params", a + ("w_kv_down",), index).T,
+                               get("params", a + ("w_k_rope",), index).T[inverse]], 0)
+
+    def kv_b_split(w):  # [H*(N+V), L]
+        w = w.reshape(h, n + v, kv)
+        return [("params", a + ("w_k_up",), index, w[:, :n].transpose(2, 0, 1)),
+                ("params", a + ("w_v_up",), index, w[:, n:].transpose(2, 0, 1))]
+
+    def kv_b_join(get):
+        k_up, v_up = get("params", a + ("w_k_up",), index), get("params", a + ("w_v_up",), index)
+        return np.concatenate([k_up.transpose(1, 2, 0), v_up.transpose(1, 2, 0)], 1).reshape(h * (n + v), kv)
+
+    def o_split(w):  # [D, H*V] -> [H, V, D]
+        return [("params", a + ("w_out",), index, w.T.reshape(h, v, d))]
+
+    def o_join(get):
+        return get("params", a + ("w_out",), index).reshape(h * v, d).T
+
+    p = hf_prefix + "self_attn."
+    out = [_vector(hf_prefix + "input_layernorm.weight", d, ("attn_norm", "scale"), prefix, index)]
+    if q:
+        out += [_linear(p + "q_a_proj.weight", q, d, ("attention", "w_q_down"), prefix, index),
+                _vector(p + "q_a_layernorm.weight", q, ("attention", "q_norm", "scale"), prefix, index),
+                Tensor(p + "q_b_proj.weight", (h * (n + r), q), q_split(("w_q_up",), q), q_join(("w_q_up",), q))]
+    else:
+        out.append(Tensor(p + "q_proj.weight", (h * (n + r), d), q_split(("w_q",), d), q_join(("w_q",), d)))
+    out += [Tensor(p + "kv_a_proj_with_mqa.weight", (kv + r, d), kv_a_split, kv_a_join),
+            _vector(p + "kv_a_layernorm.weight", kv, ("attention", "kv_norm", "scale"), prefix, index),
+            Tensor(p + "kv_b_proj.weight", (h * (n + v), kv), kv_b_split, kv_b_join),
+            Tensor(p + "o_proj.weight", (d, h * v), o_split, o_join),
+            _vector(hf_prefix + "post_attention_layernorm.weight", d, ("mlp_norm", "scale"), prefix, index)]
+    mp = hf_prefix + "mlp."
+    if not moe:
+        f = m.mlp_dim
+        return out + [_linear(mp + "gate_proj.weight", f, d, ("mlp", "w_gate"), prefix, index),
+                      _linear(mp + "up_proj.weight", f, d, ("mlp", "w_up"), prefix, index),
+                      _linear(mp + "down_proj.weight", d, f, ("mlp", "w_down"), prefix, index)]
+    f, e = m.moe_mlp_dim, m.num_experts
+    out += [_linear(mp + "gate.weight", e, d, ("moe", "router", "w_gate"), prefix, index),
+            _vector(mp + "gate.e_score_correction_bias", e, ("moe", "router", "bias"), prefix, index, "router")]
+    for i in range(e):
+        ep = f"{mp}experts.{i}."
+        out += [_linear(ep + "gate_proj.weight", f, d, ("moe", "w_gate"), prefix, index + (i,)),
+                _linear(ep + "up_proj.weight", f, d, ("moe", "w_up"), prefix, index + (i,)),
+                _linear(ep + "down_proj.weight", d, f, ("moe", "w_down"), prefix, index + (i,))]
+    if m.num_shared_experts:
+        fs = f * m.num_shared_experts
+        sp = mp + "shared_experts."
+        out += [_linear(sp + "gate_proj.weight", fs, d, ("moe", "shared", "w_gate"), prefix, index),
+                _linear(sp + "up_proj.weight", fs, d, ("moe", "shared", "w_up"), prefix, index),
+                _linear(sp + "down_proj.weight", d, fs, ("moe", "shared", "w_down"), prefix, index)]
+    return out
+
+
+def hf_tensors(m: ModelConfig, interleaved: bool = True) -> list[Tensor]:
+    """Every HF tensor of the model, in the release's order, with its maxmoe mapping."""
+    d, vocab = m.hidden_size, m.vocab_size
+    out = [_vector("model.embed_tokens.weight", None, ("embed", "embedding"))._replace(shape=(vocab, d))]
+    for i in range(m.num_layers):
+        moe = i >= m.first_k_dense
+        stack, j = ("moe_layers", i - m.first_k_dense) if moe else ("dense_layers", i)
+        out += _block_tensors(m, f"model.layers.{i}.", (stack,), (j,), moe, interleaved)
+    for k in range(m.mtp_num_layers):
+        hp, mp = f"model.layers.{m.num_layers + k}.", (f"mtp_{k}",)
+        out += [_vector(hp + "enorm.weight", d, ("emb_norm", "scale"), mp),
+                _vector(hp + "hnorm.weight", d, ("hidden_norm", "scale"), mp),
+                _linear(hp + "eh_proj.weight", d, 2 * d, ("w_proj",), mp)]
+        out += _block_tensors(m, hp, mp + ("block",), (), True, interleaved)
+        out += [_vector(hp + "shared_head.norm.weight", d, ("out_norm", "scale"), mp),
+                Tensor(hp + "embed_tokens.weight", (vocab, d), lambda w: [],
+                       lambda get: get("params", ("embed", "embedding"), ())),
+                Tensor(hp + "shared_head.head.weight", (vocab, d), lambda w: [],
+                       lambda get: get("params", ("head",), ()).T)]
+    out += [_vector("model.norm.weight", d, ("final_norm", "scale")),
+            _linear("lm_head.weight", vocab, d, ("head",))]
+    return out
+
+
+# ----------------------------------------------------------------------------- import
+
+
+class _Source:
+    """The safetensors files of an HF folder: names, shapes, dtypes; reads one tensor at a time."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError):
+                raise UserError(f"{index}: not a safetensors index (no 'weight_map')") from None
+        elif (folder / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise UserError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+        self.paths, self.handles, self.file_of, self.shape, self.dtype = {}, {}, {}, {}, {}
+        for file in files:
+            path = self.paths[file] = folder / file
+            if not path.is_file():
+                raise UserError(f"{index}: shard {file} is missing")
+            try:
+                handle = self.handles[file] = safe_open(str(path), framework="np")
+            except Exception as e:  # safetensors raises its own error types for a damaged header
+                raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                self.file_of[name], self.shape[name] = file, tuple(tensor.get_shape())
+                self.dtype[name] = tensor.get_dtype()
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as numpy; float8 as its uint8 bytes (numpy has no float8 for safetensors to return)."""
+        if not self.dtype[name].startswith("F8"):
+            return self.handles[self.file_of[name]].get_tensor(name)
+        if self.dtype[name] != "F8_E4M3":
+            raise UserError(f"tensor {name}: dtype {self.dtype[name]} is not supported (float8 must be F8_E4M3)")
+        path = self.paths[self.file_of[name]]
+        with open(path, "rb") as f:
+            header_size = struct.unpack("<Q", f.read(8))[0]
+            start, end = json.loads(f.read(header_size))[name]["data_offsets"]
+        data = np.fromfile(path, dtype=np.uint8, count=end - start, offset=8 + header_size + start)
+        return data.reshape(self.shape[name])
+
+
+def _validate(source: _Source, tensors: list[Tensor], block: tuple[int, int]) -> None:
+    """Every expected tensor present with its shape, nothing unknown; one line naming the first problem."""
+    from maxmoe.convert.fp8 import scale_grid_shape
+
+    expected = {t.name: t.shape for t in tensors}
+    for name in expected:
+        if name not in source.shape:
+            raise UserError(f"tensor {name} is missing from the checkpoint")
+    for name, shape in source.shape.items():
+        if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in expected:
+            weight = name[: -len("_scale_inv")]
+            want = scale_grid_shape(expected[weight], block) if len(expected[weight]) == 2 else None
+            if shape != want:
+                raise UserError(f"tensor {name} has shape {list(shape)}, expected {list(want or ())} "
+                                f"(one scale per {block[0]}x{block[1]} block of {weight})")
+            continue
+        if name not in expected:
+            raise UserError(f"unknown tensor {name} (shape {list(shape)}) for this config")
+        if shape != expected[name]:
+            raise UserError(f"tensor {name} has shape {list(shape)}, expected {list(expected[name])}")
+        if source.dtype[name].startswith("F8") and name + "_scale_inv" not in source.shape:
+            raise UserError(f"tensor {name} is {source.dtype[name]} but {name}_scale_inv is missing")
+
+
+def abstract_variables(m: ModelConfig) -> dict:
+    """{'params': ..., 'router': ...} of jax.ShapeDtypeStruct (unboxed, no sharding) for the config."""
+    import flax.linen as nn
+    import jax
+
+    from maxmoe.model.transformer import init_variables
+
+    boxed = jax.eval_shape(lambda: init_variables(m, jax.random.key(0), batch=1, seq=2))
+    unboxed = nn.unbox(boxed)
+    return {"params": unboxed["params"], "router": unboxed.get("router", {})}
+
+
+def _flatten(tree: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, prefix + (key,)))
+        else:
+            out[prefix + (key,)] = value
+    return out
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None = None) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, {'params', 'router'} of numpy arrays) from an HF DeepSeek-V3 folder.
+
+    Parameters are `dtype`; router biases stay float32. Tensors are read one at a time into
+    their slots of the stacked outputs; with `scratch`, outputs of SCRATCH_MIN_BYTES or more are
+    memory-mapped .npy files there (the caller deletes the folder after saving).
+    """
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    try:
+        hf = json.loads(config_path.read_text())
+    except ValueError:
+        raise UserError(f"{config_path}: not valid JSON") from None
+    m = model_config_from_hf(hf, str(config_path))
+    out_dtype = _np_dtype(dtype)
+    block = tuple((hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    tensors = hf_tensors(m, interleaved=bool(hf.get("rope_interleave", True)))
+    source = _Source(folder)
+    _validate(source, tensors, block)
+
+    targets = {(coll,) + path: leaf for coll, tree in abstract_variables(m).items()
+               for path, leaf in _flatten(tree).items()}
+    outputs, filled = {}, dict.fromkeys(targets, 0)
+    for tensor in tensors:
+        weight = source.read(tensor.name)
+        if source.dtype[tensor.name].startswith("F8"):
+            from maxmoe.convert.fp8 import dequantize_fp8_blockwise
+
+            weight = dequantize_fp8_blockwise(weight, source.read(tensor.name + "_scale_inv"), block)
+        for collection, path, index, value in tensor.split(weight):
+            key = (collection,) + path
+            if key not in outputs:
+                kind = np.dtype(np.float32) if collection == "router" else out_dtype
+                outputs[key] = _allocate(targets[key].shape, kind, scratch, len(outputs))
+            slot = outputs[key][index] if index else outputs[key]
+            if slot.shape != value.shape:  # a mapping bug, not bad input: the HF shapes were checked
+                raise RuntimeError(f"{tensor.name} -> {'/'.join(key)}{list(index)}: {value.shape} != {slot.shape}")
+            outputs[key][index if index else ...] = value
+            filled[key] += value.size
+        del weight
+    for key, count in filled.items():
+        if count != math.prod(targets[key].shape):
+            raise RuntimeError(f"maxmoe parameter {'/'.join(key)} was not filled by the mapping")
+    variables = _nest(outputs)
+    return m, {"params": variables.get("params", {}), "router": variables.get("router", {})}
+
+
+def _allocate(shape: tuple, dtype: np.dtype, scratch: Path | None, number: int) -> np.ndarray:
+    if scratch is not None and math.prod(shape) * dtype.itemsize >= SCRATCH_MIN_BYTES:
+        scratch.mkdir(parents=True, exist_ok=True)
+        return np.lib.format.open_memmap(scratch / f"{number}.npy", mode="w+", dtype=dtype, shape=shape)
+    return np.empty(shape, dtype)
+
+
+def full_config(m: ModelConfig) -> Config:
+    """Default sections plus this model."""
+    return build_config({"model": dataclasses.asdict(m)})
+
+
+def config_yaml(m: ModelConfig, source: str) -> str:
+    """A `model:` section that `python -m maxmoe.train --config` accepts, with the house header."""
+    import yaml
+
+    return (f"# DeepSeek-V3 model converted from {source} by `python -m maxmoe.convert from-hf`.\n"
+            f"# Fine-tune: python -m maxmoe.train --config <this file> checkpoint.init_from=<this folder>\n"
+            f"# Expect the loss to start at the pretrained model's level, not at ln(vocab_size).\n"
+            + yaml.safe_dump({"model": dataclasses.asdict(m)}, sort_keys=False))
+
+
+def convert_from_hf(hf_dir: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """Write `out`/checkpoints (save_params) and `out`/config.yaml from an HF folder."""
+    from maxmoe.training.checkpoint import save_params
+
+    out = Path(out)
+    _check_empty(out)
+    scratch = out / ".convert-scratch"
+    try:
+        m, variables = import_hf(hf_dir, dtype, scratch=scratch)
+        save_params(out, variables["params"], variables["router"], full_config(m))
+        (out / "config.yaml").write_text(config_yaml(m, str(hf_dir)))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def _check_empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"output {out} exists and is not empty; choose a new folder")
+
+
+# ----------------------------------------------------------------------------- maxmoe checkpoints
+
+
+def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, {'params', 'router'} as host numpy arrays) from a maxmoe checkpoint or run folder."""
+    import types
+
+    import orbax.checkpoint as ocp
+
+    from maxmoe.training.checkpoint import load_params
+
+    folder = Path(path).absolute()
+    if not folder.is_dir():
+        raise UserError(f"checkpoint {path}: no such folder")
+    directory = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    manager = ocp.CheckpointManager(directory)
+    step = manager.latest_step()
+    if step is None:
+        raise UserError(f"checkpoint {path}: no complete checkpoint step found")
+    try:
+        raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        m = build_config({"model": raw["model"]}).model
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise UserError(f"checkpoint {path}: cannot read its config ({str(e).splitlines()[0] if str(e) else e!r})") \
+            from None
+    abstract = abstract_variables(m)
+    restored = load_params(str(folder), types.SimpleNamespace(**abstract))
+    return m, {k: _to_numpy(v) for k, v in restored.items()}
+
+
+def _to_numpy(tree):
+    import jax
+
+    return jax.tree.map(np.asarray, tree)
+
+
+def load_pretrained(path: str | Path, dtype: str = "float32", compute_dtype: str | None = None):
+    """(Config, {'params', 'router'}) from an HF folder or a maxmoe checkpoint, for notebooks.
+
+    `dtype` is the parameter dtype; the model computes in `compute_dtype` (default: `dtype`).
+    Then `maxmoe.model.logits(config.model, variables, tokens)` gives [batch, seq, vocab].
+    """
+    import jax.numpy as jnp
+    import jax
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        m, variables = import_hf(path, dtype)
+    else:
+        m, variables = read_checkpoint(path)
+        cast = _np_dtype(dtype)
+        variables = {"params": jax.tree.map(lambda x: x.astype(cast), variables["params"]),
+                     "router": variables["router"]}
+    m = dataclasses.replace(m, compute_dtype=compute_dtype or dtype)
+    return full_config(m), jax.tree.map(jnp.asarray, variables)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_hf(m: ModelConfig, variables: dict, out: str | Path, dtype: str = "bfloat16",
+              shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Write config.json and model.safetensors (or shards + index) in the release layout; returns file names.
+
+    Tensors are built one shard at a time, so memory beyond the parameters is one shard.
+    Router correction biases stay float32 (as in the release).
+    """
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    _check_empty(out)
+    cast = _np_dtype(dtype)
+    tensors = hf_tensors(m, interleaved=True)
+
+    def get(collection, path, index):
+        node = variables[collection]
+        for key in path:
+            node = node[key]
+        return np.asarray(node[index] if index else node)
+
+    def kind(tensor):
+        return np.dtype(np.float32) if tensor.name.endswith("e_score_correction_bias") else cast
+
+    shards, size = [[]], 0
+    for tensor in tensors:
+        nbytes = math.prod(tensor.shape) * kind(tensor).itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        arrays = {}
+        for tensor in shard:
+            value = tensor.join(get)
+            if value.shape != tensor.shape:
+                raise RuntimeError(f"{tensor.name}: built {value.shape}, expected {tensor.shape}")
+            arrays[tensor.name] = np.ascontiguousarray(value.astype(kind(tensor)))
+            weight_map[tensor.name] = name
+            total += arrays[tensor.name].nbytes
+        save_file(arrays, str(out / name), metadata={"format": "pt"})
+        del arrays
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config_from_model(m, dtype), indent=2) + "\n")
+    return names
+
+
+def convert_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16",
+                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Export a maxmoe checkpoint (converted or trained) as an HF DeepSeek-V3 folder."""
+    _check_empty(Path(out))
+    _np_dtype(dtype)
+    m, variables = read_checkpoint(checkpoint)
+    return export_hf(m, variables, out, dtype, shard_bytes)

@@ -1,0 +1,142 @@
+"""The training step and the `python -m maxmoe.train` job on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxmoe.config import load_config
+from maxmoe.training.optim import learning_rate_schedule, make_optimizer
+from maxmoe.training.step import init_state, make_train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def run_train(*overrides, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "maxmoe.train", "--config", TINY, *overrides],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def read_metrics(run_dir):
+    lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "loss" in x], [x for x in lines if "eval_loss" in x]
+
+
+def fixed_batch(config, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, config.model.vocab_size,
+                                    (config.train.batch_size, config.train.seq_len + 1)), jnp.int32)
+
+
+@pytest.mark.smoke
+def test_loss_falls_on_a_repeated_batch():
+    config = load_config([TINY], ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8",
+                                  "train.seq_len=32", "train.warmup_steps=0", "train.steps=40"])
+    optimizer = make_optimizer(config.train)
+    state = init_state(config, optimizer, jax.random.key(0))
+    step = jax.jit(make_train_step(config, optimizer))
+    batch = fixed_batch(config)
+    losses = []
+    for _ in range(30):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all()
+    # Random tokens: the only way down is memorising the batch.
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_router_bias_moves_toward_balance():
+    config = load_config([TINY], ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8",
+                                  "train.seq_len=32", "train.lr=1e-9", "train.warmup_steps=0",
+                                  "moe.bias_update_rate=0.01", "moe.seq_aux_alpha=0"])
+    optimizer = make_optimizer(config.train)
+    state = init_state(config, optimizer, jax.random.key(0))
+    # Skewed initial routing: a head start for expert 0 that beats any score difference
+    # (initial scores are sigmoid(small) ~ 0.5 +- 0.05). The updates need ~15 steps to undo it.
+    state = state.replace(router=jax.tree.map(lambda b: b.at[..., 0].set(0.3), state.router))
+    step = jax.jit(make_train_step(config, optimizer))
+    batch = fixed_batch(config)
+    imbalance = []
+    for _ in range(30):
+        state, metrics = step(state, batch)
+        imbalance.append(float(metrics["moe_imbalance"]))
+    # Every token's copies include expert 0: its load is N of 2N copies over 8 experts.
+    assert imbalance[0] == pytest.approx(4.0), imbalance[0]
+    assert max(imbalance[-5:]) < 0.5 * imbalance[0], imbalance
+    bias = state.router["moe_layers"]["moe"]["router"]["bias"]
+    # The over-loaded expert's head start (0.3) is mostly gone.
+    assert (bias[:, 0] - bias[:, 1:].mean(-1) < 0.1).all(), bias
+
+
+def test_learning_rate_schedules():
+    for schedule in ("cosine", "wsd", "constant"):
+        config = load_config([TINY], [f"train.schedule={schedule}", "train.steps=100", "train.warmup_steps=10",
+                                      "train.lr=1.0", "train.min_lr_ratio=0.1", "train.decay_fraction=0.2"])
+        lr = learning_rate_schedule(config.train)
+        assert float(lr(0)) == pytest.approx(0.1)
+        assert float(lr(9)) == pytest.approx(1.0)
+        if schedule == "cosine":
+            assert float(lr(99)) == pytest.approx(0.1, abs=1e-3)
+        elif schedule == "wsd":
+            assert float(lr(50)) == pytest.approx(1.0)  # stable phase
+            assert float(lr(100)) == pytest.approx(0.1, abs=1e-6)
+        else:
+            assert float(lr(99)) == pytest.approx(1.0)
+
+
+def test_grad_accumulation_matches_one_batch():
+    overrides = ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8", "train.seq_len=16"]
+    one = load_config([TINY], overrides)
+    four = load_config([TINY], overrides + ["train.grad_accum=4"])
+    optimizer = make_optimizer(one.train)
+    state = init_state(one, optimizer, jax.random.key(1))
+    batch = fixed_batch(one, seed=3)
+    a, ma = jax.jit(make_train_step(one, optimizer))(state, batch)
+    b, mb = jax.jit(make_train_step(four, optimizer))(state, batch)
+    # Losses are per-token means over equal micro-batches, so their mean is the full-batch loss.
+    np.testing.assert_allclose(float(ma["lm_loss"]), float(mb["lm_loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-4)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.steps=-1", "train.steps"),
+    ("data.source=nowhere", "data.source"),
+    ("data.source=shards", "data.path"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, override, words):
+    result = run_train(f"run.dir={tmp_path / 'run'}", override, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maxmoe: error:") and words in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_shards_folder_exits_2(tmp_path):
+    result = run_train(f"run.dir={tmp_path / 'run'}", "data.source=shards", f"data.path={tmp_path / 'missing'}",
+                       timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_mesh_run_matches_single_device_run(tmp_path):
+    common = ["model.compute_dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=1000"]
+    single = run_train(f"run.dir={tmp_path / 'one'}", "run.cpu_devices=1", "mesh.data=1", "mesh.expert=1",
+                       "mesh.tensor=1", *common)
+    assert single.returncode == 0, single.stderr[-3000:]
+    mesh = run_train(f"run.dir={tmp_path / 'mesh'}", "run.cpu_devices=8", "mesh.data=2", "mesh.expert=2",
+                     "mesh.tensor=2", *common)
+    assert mesh.returncode == 0, mesh.stderr[-3000:]
+    one, _ = read_metrics(tmp_path / "one")
+    eight, _ = read_metrics(tmp_path / "mesh")
+    assert [x["step"] for x in one] == [x["step"] for x in eight] == [1, 2, 3]
+    np.testing.assert_allclose([x["loss"] for x in eight], [x["loss"] for x in one], rtol=1e-4)
