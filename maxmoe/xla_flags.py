@@ -207,12 +207,10 @@ def compose(existing_xla_flags: str, profile: str, extra_flags: list[str]) -> st
 
     The existing string is kept verbatim (first); extra flags follow, then profile flags, each
     only if no flag of higher precedence sets the same name (environment > extra > profile).
-    `profile` must be concrete (not `auto`; see `resolve_profile`).
+    `auto` is resolved on this host (see `resolve_profile`).
     """
     extra_flags = list(extra_flags)
     _check_flags(extra_flags)
-    if profile == "auto":
-        raise ValueError("compose() needs a concrete profile; resolve 'auto' with resolve_profile() first")
     taken = {flag_name(f) for f in existing_xla_flags.split()}
     added = []
     for flag in extra_flags + profile_flags(profile):

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from maxmoe.config import ModelConfig, UserError  # noqa: E402
 from maxmoe.convert import fp8, hf  # noqa: E402
 from maxmoe.convert.__main__ import main as convert_main  # noqa: E402
-from maxmoe.model.transformer import build_model, init_variables  # noqa: E402
+from maxmoe.model.transformer import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "hf_tiny_deepseek_v3"
@@ -52,6 +52,12 @@ def write_hf_folder(folder: Path, tensors: dict, config_updates: dict | None = N
     return folder
 
 
+def forward(model_config, variables, tokens):
+    """(logits, mtp_logits) of the maxmoe model, jitted (one compile instead of op-by-op dispatch)."""
+    apply = jax.jit(lambda v, t: build_model(model_config).apply(v, t, mutable=["moe_stats"])[0])
+    return apply(variables, tokens)
+
+
 def assert_trees_equal(a, b):
     flat_a, flat_b = hf._flatten(a), hf._flatten(b)
     assert flat_a.keys() == flat_b.keys()
@@ -64,7 +70,7 @@ def assert_trees_equal(a, b):
 def test_imported_logits_match_transformers(golden):
     config, variables = hf.load_pretrained(FIXTURE, dtype="float32")
     assert config.model.compute_dtype == "float32"
-    (logits, mtp_logits), _ = build_model(config.model).apply(variables, golden["tokens"], mutable=["moe_stats"])
+    logits, mtp_logits = forward(config.model, variables, golden["tokens"])
     # float32 through 3 layers + MTP with logits of size ~10; measured 4e-6 (the fixture's float64 check: 7e-6).
     np.testing.assert_allclose(np.asarray(logits), golden["logits"], rtol=0, atol=1e-4)
     # maxmoe's MTP at position t reads h[t] and token t+1, as the fixture's; its last position has no t+1.
@@ -97,6 +103,13 @@ def test_export_reproduces_the_fixture_and_reimports_bit_exactly(imported, fixtu
     assert_trees_equal(hf.read_checkpoint(again)[1], variables)
 
 
+def test_scratch_memory_maps_give_the_same_checkpoint(imported, tmp_path, monkeypatch):
+    monkeypatch.setattr(hf, "SCRATCH_MIN_BYTES", 0)  # every output array memory-mapped
+    hf.convert_from_hf(FIXTURE, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / ".convert-scratch").exists()
+    assert_trees_equal(hf.read_checkpoint(tmp_path / "ckpt")[1], imported[2])
+
+
 def test_sharded_bfloat16_export_reimports(imported, tmp_path):
     _, model, variables = imported
     names = hf.export_hf(model, variables, tmp_path / "hf", dtype="bfloat16", shard_bytes=40_000)
@@ -110,11 +123,8 @@ def test_sharded_bfloat16_export_reimports(imported, tmp_path):
 
 def test_plain_query_no_shared_experts_no_mtp_round_trip(tmp_path):
     m = ModelConfig(q_lora_rank=0, num_shared_experts=0, mtp_num_layers=0, rope_scaling="none", num_layers=2)
-    import flax.linen as nn
-
-    boxed = init_variables(m, jax.random.key(1))
-    variables = {k: jax.tree.map(np.asarray, nn.unbox(boxed[k])) for k in ("params", "router")}
-    variables["router"] = jax.tree.map(lambda b: np.arange(b.size, dtype=np.float32).reshape(b.shape), variables["router"])
+    rng = np.random.default_rng(1)  # random values for every slot; the model itself is not run
+    variables = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), hf.abstract_variables(m))
     hf.export_hf(m, variables, tmp_path / "hf", dtype="float32")
     assert "model.layers.0.self_attn.q_proj.weight" in load_file(str(tmp_path / "hf" / "model.safetensors"))
     m2, again = hf.import_hf(tmp_path / "hf")
@@ -135,7 +145,7 @@ def test_non_interleaved_rope_is_permuted_into_adjacent_pairs(fixture_tensors, g
             tensors[name] = np.concatenate([value[:lora], value[lora:][half_split]], 0)
     folder = write_hf_folder(tmp_path / "hf", tensors, {"rope_interleave": False})
     config, variables = hf.load_pretrained(folder)
-    (logits, _), _ = build_model(config.model).apply(variables, golden["tokens"], mutable=["moe_stats"])
+    logits, _ = forward(config.model, variables, golden["tokens"])
     np.testing.assert_allclose(np.asarray(logits), golden["logits"], rtol=0, atol=1e-4)
 
 
@@ -212,7 +222,8 @@ def test_train_runs_from_imported_weights(imported, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "maxmoe.train", "--config", str(out / "config.yaml"), f"checkpoint.init_from={out}",
          "train.steps=2", "data.source=synthetic", f"run.dir={run_dir}", "model.compute_dtype=float32",
-         "train.batch_size=2", "train.seq_len=16", "train.eval_batches=1", "train.warmup_steps=1"],
+         "train.batch_size=2", "train.seq_len=16", "train.eval_batches=1", "train.warmup_steps=1",
+         "run.cpu_devices=1"],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (run_dir / "config.yaml").is_file()

@@ -57,6 +57,7 @@ def test_none_adds_nothing():
     assert xla_flags.profile_flags("none") == []
     assert xla_flags.compose("", "none", []) == ""
     assert xla_flags.compose(" --xla_dump_to=/tmp/x ", "none", []) == "--xla_dump_to=/tmp/x"
+    assert xla_flags.compose("", "auto", []) == ""  # conftest: JAX_PLATFORMS=cpu, so auto is none
 
 
 def test_compose_adds_profile_to_unrelated_user_flags():

@@ -530,16 +530,18 @@ def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict]:
     if not folder.is_dir():
         raise UserError(f"checkpoint {path}: no such folder")
     directory = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
-    manager = ocp.CheckpointManager(directory)
-    step = manager.latest_step()
-    if step is None:
-        raise UserError(f"checkpoint {path}: no complete checkpoint step found")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
+        step = manager.latest_step()
+        if step is None:
+            raise UserError(f"checkpoint {path}: no complete checkpoint step found")
         raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
         m = build_config({"model": raw["model"]}).model
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-        raise UserError(f"checkpoint {path}: cannot read its config ({str(e).splitlines()[0] if str(e) else e!r})") \
-            from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path}: cannot read its model config ({first})") from None
+    finally:
+        manager.close()
     abstract = abstract_variables(m)
     restored = load_params(str(folder), types.SimpleNamespace(**abstract))
     return m, {k: _to_numpy(v) for k, v in restored.items()}
