@@ -77,12 +77,17 @@ def _np_dtype(name: str) -> np.dtype:
 # ----------------------------------------------------------------------------- config
 
 
-def _get(hf: dict, key: str, default: Any = ..., *, where: str = "config.json") -> Any:
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if default is ...:
-        raise UserError(f"{where}: missing required key '{key}'")
-    return default
+def _get(hf: dict, key: str, default: Any = ..., *, null: Any = ..., where: str = "config.json") -> Any:
+    """hf[key]; `default` when the key is absent and `null` when it is null (else a one-line error)."""
+    if key not in hf:
+        if default is ...:
+            raise UserError(f"{where}: missing required key '{key}'")
+        return default
+    if hf[key] is None:
+        if null is ...:
+            raise UserError(f"{where}: key '{key}' is null")
+        return null
+    return hf[key]
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -101,30 +106,33 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         raise UserError(f"{where}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads "
                         f"({heads}) in multi-head latent attention")
     layers = _get(hf, "num_hidden_layers", where=where)
+    def need(key, null=...):
+        return _get(hf, key, null=null, where=where)
+
     model = dict(
-        vocab_size=_get(hf, "vocab_size", where=where),
-        hidden_size=_get(hf, "hidden_size", where=where),
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
         num_layers=layers,
-        first_k_dense=min(_get(hf, "first_k_dense_replace", 3), layers),
-        mlp_dim=_get(hf, "intermediate_size", where=where),
-        moe_mlp_dim=_get(hf, "moe_intermediate_size", where=where),
+        first_k_dense=min(need("first_k_dense_replace"), layers),
+        mlp_dim=need("intermediate_size"),
+        moe_mlp_dim=need("moe_intermediate_size"),
         num_heads=heads,
-        q_lora_rank=_get(hf, "q_lora_rank", 0),
-        kv_lora_rank=_get(hf, "kv_lora_rank", where=where),
-        qk_nope_head_dim=_get(hf, "qk_nope_head_dim", where=where),
-        qk_rope_head_dim=_get(hf, "qk_rope_head_dim", where=where),
-        v_head_dim=_get(hf, "v_head_dim", where=where),
-        num_experts=_get(hf, "n_routed_experts", where=where),
-        num_shared_experts=_get(hf, "n_shared_experts", 0),
-        experts_per_token=_get(hf, "num_experts_per_tok", where=where),
-        num_expert_groups=_get(hf, "n_group", 1),
-        topk_groups=_get(hf, "topk_group", 1),
-        norm_topk_prob=_get(hf, "norm_topk_prob", True),
-        routed_scaling_factor=_get(hf, "routed_scaling_factor", 1.0),
-        score_func=_get(hf, "scoring_func", "sigmoid"),
-        rms_norm_eps=_get(hf, "rms_norm_eps", 1e-6),
-        max_position_embeddings=_get(hf, "max_position_embeddings", where=where),
-        mtp_num_layers=_get(hf, "num_nextn_predict_layers", 0),
+        q_lora_rank=need("q_lora_rank", null=0),
+        kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=need("qk_nope_head_dim"),
+        qk_rope_head_dim=need("qk_rope_head_dim"),
+        v_head_dim=need("v_head_dim"),
+        num_experts=need("n_routed_experts"),
+        num_shared_experts=need("n_shared_experts", null=0),
+        experts_per_token=need("num_experts_per_tok"),
+        num_expert_groups=need("n_group", null=1),
+        topk_groups=need("topk_group", null=1),
+        norm_topk_prob=need("norm_topk_prob"),
+        routed_scaling_factor=need("routed_scaling_factor"),
+        score_func=_get(hf, "scoring_func", "sigmoid", where=where),  # transformers' config has no such key
+        rms_norm_eps=need("rms_norm_eps"),
+        max_position_embeddings=need("max_position_embeddings"),
+        mtp_num_layers=_get(hf, "num_nextn_predict_layers", 0, null=0, where=where),
     )
     model.update(_rope_from_hf(hf, where))
     try:
