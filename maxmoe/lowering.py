@@ -21,24 +21,12 @@ def lower_train_step(config: Config, platform: str = "cuda"):
     from maxmoe.train import set_host_device_count
 
     set_host_device_count(config.run.cpu_devices)
-    import jax
-
     from maxmoe.mesh import build_layout
-    from maxmoe.training import step as step_lib
-    from maxmoe.training.optim import make_optimizer
+    from maxmoe.training.programs import build_programs
 
-    layout = build_layout(config, platform=platform)
-    optimizer = make_optimizer(config.train)
-    boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0), boxed=True))
-    shardings = layout.tree_shardings(boxed)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         step_lib.unbox(boxed), shardings)
-    batch_sharding = layout.sharding(("batch", None))
-    batch = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jax.numpy.int32,
-                                 sharding=batch_sharding)
-    step = jax.jit(step_lib.make_train_step(config, optimizer, layout),
-                   in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None))
-    return step.trace(state, batch).lower(lowering_platforms=(platform,))
+    programs = build_programs(config, build_layout(config, platform=platform))
+    step = programs.train_step
+    return step.trace(programs.abstract_state, programs.abstract_batch(config)).lower(lowering_platforms=(platform,))
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:

@@ -57,14 +57,14 @@ def train(config: Config) -> int:
     distributed.initialize(config.dist)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from maxmoe.flops import flops_per_token, mfu, peak_tflops
     from maxmoe.mesh import build_layout
-    from maxmoe.training import checkpoint, data, step as step_lib
+    from maxmoe.training import checkpoint, data
     from maxmoe.training.metrics import MetricsLogger
-    from maxmoe.training.optim import learning_rate_schedule, make_optimizer
+    from maxmoe.training.optim import learning_rate_schedule
+    from maxmoe.training.programs import build_programs
 
     is_main = jax.process_index() == 0
     run_dir = Path(config.run.dir)
@@ -78,35 +78,24 @@ def train(config: Config) -> int:
     # -- data ------------------------------------------------------------------------------
     train_data = data.make_dataset(config, split="train", process_index=jax.process_index(),
                                    process_count=jax.process_count())
-    batch_sharding = layout.sharding(("batch", None))
 
     def to_device(local_batch):
-        return jax.make_array_from_process_local_data(batch_sharding, np.asarray(local_batch, np.int32))
+        return jax.make_array_from_process_local_data(layout.sharding(("batch", None)),
+                                                      np.asarray(local_batch, np.int32))
 
-    # -- state: init or restore ------------------------------------------------------------
-    optimizer = make_optimizer(config.train)
+    # -- state: init or restore; the compiled steps ----------------------------------------
+    programs = build_programs(config, layout)
     rng = jax.random.key(config.train.seed)
-    boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, rng, boxed=True))
-    state_shardings = layout.tree_shardings(boxed)
-    abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                  step_lib.unbox(boxed), state_shardings)
-    restored = ckpt.restore_latest(abstract_state)
+    restored = ckpt.restore_latest(programs.abstract_state)
     if restored is not None:
-        # The step folder's number, not state.step: skipped (non-finite) steps do not advance state.step.
-        state, start = restored.state, restored.step
-        train_data.set_state(restored.data)
+        state, data_state = restored
+        train_data.set_state(data_state)
     else:
-        state = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=state_shardings)(rng)
+        state = programs.init(rng)
         if config.checkpoint.init_from:
-            state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, abstract_state))
-        start = 0
-
-    # -- compiled steps --------------------------------------------------------------------
-    train_step = jax.jit(step_lib.make_train_step(config, optimizer, layout),
-                         in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
-                         donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(config, layout),
-                        in_shardings=(state_shardings.params, state_shardings.router, batch_sharding))
+            state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, programs.abstract_state))
+    start = int(jax.device_get(state.step))
+    train_step, eval_step = programs.train_step, programs.eval_step
 
     def evaluate(state) -> float:
         losses = [eval_step(state.params, state.router, to_device(b))

@@ -1,0 +1,52 @@
+"""The sharded, jitted programs of a run: state init, train step, eval step.
+
+One place decides how state and batches are laid out on the mesh, so the train loop,
+the CUDA lowering, the mesh sweep and the benchmarks compile the same program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from maxmoe.config import Config
+from maxmoe.training import step as step_lib
+from maxmoe.training.optim import make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """Shardings and jitted functions for one config on one layout."""
+
+    state_shardings: Any  # TrainState of NamedShardings
+    abstract_state: Any  # TrainState of ShapeDtypeStructs carrying those shardings
+    batch_sharding: Any
+    init: Callable  # init(rng) -> state
+    train_step: Callable  # train_step(state, batch) -> (state, metrics); donates state
+    eval_step: Callable  # eval_step(params, router, batch) -> lm loss
+    optimizer: Any
+
+    def abstract_batch(self, config: Config) -> jax.ShapeDtypeStruct:
+        """The global batch's shape, for ahead-of-time lowering."""
+        return jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jnp.int32,
+                                    sharding=self.batch_sharding)
+
+
+def build_programs(config: Config, layout) -> Programs:
+    """State shardings from the parameters' logical axes; step functions jitted with them."""
+    optimizer = make_optimizer(config.train)
+    boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0), boxed=True))
+    shardings = layout.tree_shardings(boxed)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            step_lib.unbox(boxed), shardings)
+    batch_sharding = layout.sharding(("batch", None))
+    init = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=shardings)
+    train_step = jax.jit(step_lib.make_train_step(config, optimizer, layout),
+                         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
+                         donate_argnums=0)
+    eval_step = jax.jit(step_lib.make_eval_step(config, layout),
+                        in_shardings=(shardings.params, shardings.router, batch_sharding))
+    return Programs(shardings, abstract, batch_sharding, init, train_step, eval_step, optimizer)
