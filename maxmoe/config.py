@@ -118,7 +118,8 @@ class MeshConfig:
     fsdp: bool = _field(False, doc="shard params, grads and optimizer state over data")
     scale_up_domain: int = _field(0, ge=0, doc="devices per NVLink domain; 0: auto")
     allow_cross_domain: bool = _field(False)
-    rules: dict = _field(DEFAULT_RULES, doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp)")
+    rules: dict = _field(DEFAULT_RULES, doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp); "
+                                            "rules not given keep their defaults")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +331,11 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         section, name = key.split(".", 1)
         if section not in raw:
             raise _unknown(key, _all_keys())
-        _merge_section(section, raw[section], {name: _parse_scalar(text)}, "override")
+        value = _parse_scalar(text)
+        if section == "mesh" and name.startswith("rules."):
+            # mesh.rules.<logical>=[axes] changes one rule and keeps the others.
+            name, value = "rules", {**raw["mesh"].get("rules", {}), name[len("rules."):]: value}
+        _merge_section(section, raw[section], {name: value}, "override")
     return build_config(raw)
 
 

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxmoe.config import Config, ConfigError, check_mesh_fits
+from maxmoe.config import DEFAULT_RULES, Config, ConfigError, check_mesh_fits
 
 AXES = ("data", "expert", "tensor")
 
@@ -74,22 +74,23 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
     domains = device_domains(devices, config.mesh.scale_up_domain)
     order = sorted(range(len(devices)), key=lambda i: (domains[i], devices[i].process_index, devices[i].id))
     ordered = [devices[i] for i in order]
-    inner = sizes["expert"] * sizes["tensor"]
-    domain_size = min(domains.count(d) for d in set(domains))
-    if inner > domain_size or domain_size % inner:
-        message = (f"mesh.expert x mesh.tensor = {inner} devices do not fit evenly in a scale-up domain of "
-                   f"{domain_size} devices; expert and tensor traffic would cross the slow network")
+    grid = np.array(ordered, dtype=object).reshape(sizes["data"], sizes["expert"], sizes["tensor"])
+    domain_of = {d.id: domains[i] for i, d in enumerate(devices)}
+    split = [i for i in range(sizes["data"]) if len({domain_of[d.id] for d in grid[i].flat}) > 1]
+    if split:
+        message = (f"mesh.expert x mesh.tensor = {sizes['expert'] * sizes['tensor']} devices do not fit inside one "
+                   f"scale-up domain (domains of {sorted(set(domains.count(x) for x in set(domains)))} devices); "
+                   f"expert and tensor traffic would cross the slow network")
         if not config.mesh.allow_cross_domain:
             raise ConfigError(message + " (set mesh.allow_cross_domain=true to build it anyway)")
         warnings.warn(message, stacklevel=2)
-    grid = np.array(ordered, dtype=object).reshape(sizes["data"], sizes["expert"], sizes["tensor"])
     return Mesh(grid, AXES)
 
 
 def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
     """Logical axis -> mesh axes, with `fsdp` replaced by data (on) or dropped (off)."""
     rules = {}
-    for logical, axes in config.mesh.rules.items():
+    for logical, axes in {**DEFAULT_RULES, **config.mesh.rules}.items():
         resolved = []
         for axis in axes:
             if axis == "fsdp":

@@ -88,13 +88,14 @@ def train(config: Config) -> int:
     rng = jax.random.key(config.train.seed)
     restored = ckpt.restore_latest(programs.abstract_state)
     if restored is not None:
-        state, data_state = restored
-        train_data.set_state(data_state)
+        # The step folder's number, not state.step: skipped (non-finite) steps do not advance state.step.
+        state, start = restored.state, restored.step
+        train_data.set_state(restored.data)
     else:
         state = programs.init(rng)
         if config.checkpoint.init_from:
             state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, programs.abstract_state))
-    start = int(jax.device_get(state.step))
+        start = 0
     train_step, eval_step = programs.train_step, programs.eval_step
 
     def evaluate(state) -> float:

@@ -1,6 +1,7 @@
 """Hugging Face <-> maxmoe conversion against the golden transformers fixture (tests/fixtures)."""
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -67,6 +68,7 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(x, y, err_msg="/".join(key))
 
 
+@pytest.mark.smoke
 def test_imported_logits_match_transformers(golden):
     config, variables = hf.load_pretrained(FIXTURE, dtype="float32")
     assert config.model.compute_dtype == "float32"
@@ -86,7 +88,7 @@ def test_checkpoint_logits_match_and_config_yaml_is_a_train_config(imported, gol
     config = load_config([str(out / "config.yaml")], ["model.compute_dtype=float32"])
     assert config.model == dataclasses.replace(model, compute_dtype="float32")
     loaded_config, variables = hf.load_pretrained(out)
-    logits = transformer.logits(loaded_config.model, variables, golden["tokens"])
+    logits = jax.jit(functools.partial(transformer.logits, loaded_config.model))(variables, golden["tokens"])
     np.testing.assert_allclose(np.asarray(logits), golden["logits"], rtol=0, atol=1e-4)
 
 
@@ -216,6 +218,7 @@ def test_bad_tensors_are_one_line_exit_2(corrupt, message, fixture_tensors, tmp_
     assert not out.exists()
 
 
+@pytest.mark.slow  # a training subprocess: compiles the train and eval steps
 def test_train_runs_from_imported_weights(imported, tmp_path):
     out = imported[0]
     run_dir = tmp_path / "run"

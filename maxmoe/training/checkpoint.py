@@ -215,27 +215,29 @@ def load_params(path: str, abstract_state: Any) -> dict:
     if not folder.is_dir():
         raise UserError(f"checkpoint.init_from={path}: no such folder")
     directory = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                    item_handlers=_handlers("params", "config"))
+    with _quiet_orbax():  # read_only makes orbax warn about the options it turns off
+        manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
+                                        item_handlers=_handlers("params", "config"))
     try:
-        step = manager.latest_step()
-        if step is None:
-            raise UserError(f"checkpoint.init_from={path}: no complete checkpoint step in {directory}")
-        where = f"checkpoint.init_from={path} (step {step})"
-        target = {"params": abstract_state.params, "router": abstract_state.router}
-        try:
-            metadata = manager.item_metadata(step)
-            stored = metadata.get("state") if metadata is not None else None
-        except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
-            raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
-        if stored is None:
-            raise UserError(f"{where}: not a maxmoe checkpoint (no state item)")
-        check_fits(getattr(stored, "tree", stored), target, where)
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=target, restore_args=checkpoint_utils.construct_restore_args(target), partial_restore=True)))
-        except Exception as e:  # noqa: BLE001 - see above
-            raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
+        with _quiet_orbax():
+            step = manager.latest_step()
+            if step is None:
+                raise UserError(f"checkpoint.init_from={path}: no complete checkpoint step in {directory}")
+            where = f"checkpoint.init_from={path} (step {step})"
+            target = {"params": abstract_state.params, "router": abstract_state.router}
+            try:
+                metadata = manager.item_metadata(step)
+                stored = metadata.get("state") if metadata is not None else None
+            except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
+                raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
+            if stored is None:
+                raise UserError(f"{where}: not a maxmoe checkpoint (no state item)")
+            check_fits(getattr(stored, "tree", stored), target, where)
+            try:
+                restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+            except Exception as e:  # noqa: BLE001 - see above
+                raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
     finally:
         manager.close()
     return {"params": restored["state"]["params"], "router": restored["state"]["router"]}

@@ -13,7 +13,8 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
     peak, floor = train.lr, train.lr * train.min_lr_ratio
     warmup = min(train.warmup_steps, train.steps)
     rest = max(train.steps - warmup, 1)
-    ramp = optax.linear_schedule(peak / max(warmup, 1), peak, max(warmup, 1))
+    # Step s of warmup (0-based) gets peak * (s + 1) / warmup: the last warmup step reaches the peak.
+    ramp = optax.linear_schedule(peak / max(warmup, 1), peak, max(warmup - 1, 1))
     if train.schedule == "cosine":
         after = optax.cosine_decay_schedule(peak, rest, alpha=train.min_lr_ratio)
     elif train.schedule == "wsd":
