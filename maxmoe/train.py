@@ -84,11 +84,11 @@ def train(config: Config) -> int:
                                                       np.asarray(local_batch, np.int32))
 
     # -- state: init or restore; the compiled steps ----------------------------------------
+    stop = StopSignal()  # from here on, SIGTERM/SIGINT mean "save and stop after this step"
     programs = build_programs(config, layout)
     rng = jax.random.key(config.train.seed)
     restored = ckpt.restore_latest(programs.abstract_state)
     if restored is not None:
-        # The step folder's number, not state.step: skipped (non-finite) steps do not advance state.step.
         state, start = restored.state, restored.step
         train_data.set_state(restored.data)
     else:
@@ -119,7 +119,6 @@ def train(config: Config) -> int:
         shape = " x ".join(f"{k}={v}" for k, v in layout.shape.items())
         logger.message(f"maxmoe: {devices} {jax.devices()[0].platform} device(s), mesh {shape}, "
                        f"{train_data.description}, steps {start}->{t.steps}")
-    stop = StopSignal()
     profile = config.run.profile_steps
     last_time, last_step, pending = time.perf_counter(), start, None
     step = start

@@ -36,7 +36,9 @@ class MoE(nn.Module):
         routed_BTD, dropped = dispatch.routed_experts(
             x_BTD.astype(self.dtype), routing.expert_ids_NK.reshape(b, t, -1), routing.weights_NK.reshape(b, t, -1),
             w_gate_EDF.astype(self.dtype), w_up_EDF.astype(self.dtype), w_down_EFD.astype(self.dtype), plan=plan)
-        self.variable("moe_stats", "dropped", lambda: jnp.zeros((), jnp.float32)).value = dropped
+        dropped_var = self.variable("moe_stats", "dropped", lambda: jnp.zeros((), jnp.float32))
+        if not self.is_initializing():
+            dropped_var.value = dropped
         out = routed_BTD
         if c.num_shared_experts:
             out = out + SwiGLU(d, f * c.num_shared_experts, self.dtype, c.init_std, self.layout, name="shared")(x_BTD)

@@ -84,8 +84,11 @@ class Router(nn.Module):
         routing = route(logits_NE, jax.lax.stop_gradient(bias.value), c)
         ids_BTK = routing.expert_ids_NK.reshape(b, t, -1)
         seq_aux = sequence_balance_loss(routing.scores_NE.reshape(b, t, e), ids_BTK, c)
-        # Statistics for the train step and metrics; written, never read by the model.
-        self.variable("moe_stats", "load", lambda: jnp.zeros((e,), jnp.float32)).value = expert_load(
-            jax.lax.stop_gradient(routing.expert_ids_NK), e)
-        self.variable("moe_stats", "seq_aux", lambda: jnp.zeros((), jnp.float32)).value = seq_aux
+        # Statistics for the train step and metrics; written, never read by the model. Not at
+        # init, so that initialisation depends on no input (flax's lazy_init).
+        load = self.variable("moe_stats", "load", lambda: jnp.zeros((e,), jnp.float32))
+        aux = self.variable("moe_stats", "seq_aux", lambda: jnp.zeros((), jnp.float32))
+        if not self.is_initializing():
+            load.value = expert_load(jax.lax.stop_gradient(routing.expert_ids_NK), e)
+            aux.value = seq_aux
         return routing

@@ -99,7 +99,8 @@ class MetricsLogger:
     def _show(self, r: dict[str, Any]) -> None:
         step = r["step"]
         if "eval_loss" in r:
-            self.message(f"step {step:>6}  eval_loss {r['eval_loss']:.4f}")
+            value = r["eval_loss"]
+            self.message(f"step {step:>6}  eval_loss {'nan' if value is None else f'{value:.4f}'}")
             return
         done = step - self.start_step
         elapsed = time.perf_counter() - self.started

@@ -29,7 +29,7 @@ from maxmoe.model.transformer import build_model, shift_left
 class TrainState(flax.struct.PyTreeNode):
     """Everything a step reads and writes; what a checkpoint holds besides the data position."""
 
-    step: jax.Array
+    step: jax.Array  # completed loop steps (skipped ones included)
     params: Any
     router: Any
     opt_state: Any
@@ -136,7 +136,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         new_state = state.replace(
-            step=state.step + jnp.where(ok, 1, 0).astype(state.step.dtype),
+            step=state.step + 1,  # loop steps, skipped ones included (the optimizer counts updates)
             params=keep(params, state.params), router=keep(router, state.router),
             opt_state=keep(opt_state, state.opt_state),
             bad_steps=jnp.where(ok, 0, state.bad_steps + 1), skipped=state.skipped + jnp.where(ok, 0, 1))
@@ -168,7 +168,9 @@ def init_state(config: Config, optimizer: optax.GradientTransformation, rng: jax
     """A fresh state; with boxed=True params and optimizer state keep their logical-axis boxes."""
     del layout  # parameters do not depend on the layout; init runs the single-device path
     model = build_model(config.model)
-    variables = model.init(rng, jnp.zeros((1, 8), jnp.int32))
+    # lazy_init runs only the initialisers: the forward pass that creates the variables is
+    # traced abstractly and left out of the compiled program.
+    variables = model.lazy_init(rng, jax.ShapeDtypeStruct((1, 8), jnp.int32))
     params = variables["params"]
     opt_state = optimizer.init(params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, router=variables["router"], opt_state=opt_state,
