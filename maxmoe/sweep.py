@@ -326,33 +326,11 @@ def native_a2a_proxy(enabled: bool):
         dispatch_shard.ragged_all_to_all = original
 
 
-def abstract_step(config: Config, layout):
-    """(jitted step, abstract state, abstract batch, state shardings, batch sharding); nothing allocated.
-
-    Mirrors maxmoe.train: explicit shardings and a donated state.
-    """
-    import jax
-
-    from maxmoe.training import step as step_lib
-    from maxmoe.training.optim import make_optimizer
-
-    optimizer = make_optimizer(config.train)
-    boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0), boxed=True))
-    shardings = layout.tree_shardings(boxed)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         step_lib.unbox(boxed), shardings)
-    batch_sharding = layout.sharding(("batch", None))
-    batch = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jax.numpy.int32,
-                                 sharding=batch_sharding)
-    step = jax.jit(step_lib.make_train_step(config, optimizer, layout), in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, None), donate_argnums=0)
-    return step, state, batch, shardings, batch_sharding, optimizer
-
-
 def dry_run_shape(config: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy") -> dict:
     """Compile one step for `mesh` (fake CPU devices) and describe it; see the module docstring."""
     from maxmoe.flops import flops_per_token
     from maxmoe.mesh import build_layout, device_domains
+    from maxmoe.training.programs import build_programs
 
     shaped = with_mesh(config, sizes)
     start = time.perf_counter()
@@ -361,8 +339,8 @@ def dry_run_shape(config: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
     plan = layout.dispatch_plan
     ragged = plan is not None and plan.strategy == "ragged_a2a" and plan.expert_ranks > 1
     with native_a2a_proxy(ragged and a2a == "proxy"):
-        step, state, batch, *_ = abstract_step(shaped, layout)
-        lowered = step.trace(state, batch).lower()
+        programs = build_programs(shaped, layout)
+        lowered = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(shaped)).lower()
     lower_s = time.perf_counter() - start
     # LLVM's optimisation level changes code speed, not the HLO buffer assignment the memory
     # figures come from; skipping its expensive passes halves compile time on a small CPU.
@@ -429,14 +407,14 @@ def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict
     import numpy as np
 
     from maxmoe.flops import flops_per_token, mfu, peak_tflops
-    from maxmoe.training import step as step_lib
+    from maxmoe.training.programs import build_programs
 
-    step, state, batch, shardings, batch_sharding, optimizer = abstract_step(config, layout)
+    programs = build_programs(config, layout)
+    batch_sharding = programs.batch_sharding
     start = time.perf_counter()
-    compiled = step.trace(state, batch).lower().compile()
+    compiled = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config)).lower().compile()
     compile_s = time.perf_counter() - start
-    state = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=shardings)(
-        jax.random.key(config.train.seed))
+    state = programs.init(jax.random.key(config.train.seed))
     t = config.train
     rng = np.random.default_rng(0)
     tokens = jax.device_put(rng.integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32),
@@ -499,15 +477,19 @@ def rank(results: list[dict], dry_run: bool) -> list[dict]:
     return ok + [r for r in results if "error" in r]
 
 
-def _gb(x) -> str:
-    return f"{x / GB:.2f}" if x is not None else "-"
-
-
 def format_table(results: list[dict], dry_run: bool) -> str:
+    ok = [r for r in results if "error" not in r]
+    big = dry_run and ok and max(max(r["memory"]["total"], r["collective_total"]) for r in ok) >= GB
+    unit, scale = ("GB", GB) if big or not ok else ("MB", 1e6)
+
+    def _gb(x) -> str:
+        return f"{x / scale:.2f}" if x is not None else "-"
+
+    u = unit
     if dry_run:
-        head = (f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'arg GB':>8} {'out GB':>7} {'alias GB':>8} {'temp GB':>8} "
-                f"{'total GB':>8} {'fits':>4} {'wire GB':>8} {'x-dom GB':>8} {'a2a GB':>7} {'AR GB':>7} {'AG GB':>7} "
-                f"{'RS GB':>7} {'TFLOP':>7} {'compile s':>9}")
+        head = (f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'arg ' + u:>8} {'out ' + u:>7} {'alias ' + u:>8} "
+                f"{'temp ' + u:>8} {'total ' + u:>8} {'fits':>4} {'wire ' + u:>8} {'x-dom ' + u:>8} {'a2a ' + u:>7} "
+                f"{'AR ' + u:>7} {'AG ' + u:>7} {'RS ' + u:>7} {'TFLOP':>7} {'compile s':>9}")
     else:
         head = (f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} "
                 f"{'step s':>8} {'compile s':>9}")
@@ -524,7 +506,7 @@ def format_table(results: list[dict], dry_run: bool) -> str:
                 f"{_gb(m['temp']):>8} {_gb(m['total']):>8} {'yes' if r['fits'] else 'no':>4} "
                 f"{_gb(r['collective_total']):>8} {_gb(r['cross_domain_total']):>8} {_gb(c.get('all-to-all', 0)):>7} "
                 f"{_gb(c.get('all-reduce', 0)):>7} {_gb(c.get('all-gather', 0)):>7} {_gb(c.get('reduce-scatter', 0)):>7} "
-                f"{r['flops_per_device'] / 1e12:7.1f} {r['compile_s']:9.1f}")
+                f"{r['flops_per_device'] / 1e12:7.3g} {r['compile_s']:9.1f}")
         else:
             mfu_text = f"{r['mfu']:.3f}" if r.get("mfu") is not None else "n/a"
             lines.append(f"{i:>2} {name:<26} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.2f} {mfu_text:>6} "
@@ -671,8 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in notes:
         print(f"note: {n}")
     if args.dry_run:
-        print("GB = 1e9 bytes per device; wire = bytes each device sends per step (ring factors, loops x trip count); "
-              "x-dom = of which in collectives spanning scale-up domains; TFLOP = model FLOPs per device per step")
+        print("GB = 1e9, MB = 1e6 bytes per device; wire = bytes each device sends per step (ring factors, loops x trip count); "
+              "x-dom = of which in collectives spanning scale-up domains; AR/AG/RS = all-reduce/all-gather/reduce-scatter; "
+              "TFLOP = model FLOPs per device per step")
     print(f"{len(report['results'])} shapes in {report['wall_s']:.0f}s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -294,10 +294,11 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
 
     after_5, _ = read_checkpoint(tmp_path / "run", 5)
     after_6, _ = read_checkpoint(tmp_path / "run", 6)
+    # The skipped update leaves everything but the loop-step counter as it was.
     assert_trees_equal((after_5.params, after_5.router, after_5.opt_state, after_5.step),
-                       (poisoned.params, poisoned.router, poisoned.opt_state, poisoned.step))
+                       (poisoned.params, poisoned.router, poisoned.opt_state, poisoned.step + 1))
     assert (int(after_5.bad_steps), int(after_5.skipped)) == (1, 1)
-    assert int(after_6.step) == int(poisoned.step) + 1 and (int(after_6.bad_steps), int(after_6.skipped)) == (0, 1)
+    assert int(after_6.step) == int(poisoned.step) + 2 and (int(after_6.bad_steps), int(after_6.skipped)) == (0, 1)
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b, equal_nan=True),
                                          after_6.params, after_5.params))
     assert all(moved)
@@ -322,7 +323,7 @@ def test_consecutive_bad_steps_stop_the_run_with_one_line_and_a_checkpoint(strai
     assert complete_steps(tmp_path / "run") == [3]
     assert [x["skipped_steps"] for x in records(tmp_path / "run")] == [1, 2, 3]
     saved, position = read_checkpoint(tmp_path / "run", 3)
-    assert position == {"split": "train", "step": 3} and int(saved.skipped) == 3 and int(saved.step) == 0
+    assert position == {"split": "train", "step": 3} and int(saved.skipped) == 3 and int(saved.step) == 3
     assert_trees_equal(saved.params, params)  # no update was applied
 
 

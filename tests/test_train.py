@@ -134,8 +134,11 @@ def test_mesh_run_matches_single_device_run(tmp_path):
                        "mesh.tensor=1", *common)
     assert single.returncode == 0, single.stderr[-3000:]
     mesh = run_train(f"run.dir={tmp_path / 'mesh'}", "run.cpu_devices=8", "mesh.data=2", "mesh.expert=2",
-                     "mesh.tensor=2", *common)
+                     "mesh.tensor=2", "run.tensorboard=true", "run.profile_steps=[1,2]", *common)
     assert mesh.returncode == 0, mesh.stderr[-3000:]
+    assert list((tmp_path / "mesh" / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "mesh" / "profile").rglob("*.xplane.pb"))
+    assert (tmp_path / "mesh" / "config.yaml").exists() and (tmp_path / "mesh" / "xla_flags.txt").exists()
     one, _ = read_metrics(tmp_path / "one")
     eight, _ = read_metrics(tmp_path / "mesh")
     assert [x["step"] for x in one] == [x["step"] for x in eight] == [1, 2, 3]
