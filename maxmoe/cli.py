@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -47,3 +48,17 @@ def main_guard(fn: Callable[..., int | None]) -> Callable[..., int]:
             return 130
 
     return wrapper
+
+
+def exit_with(code: int) -> None:
+    """Exit a command-line process; after a user error (2), without interpreter shutdown.
+
+    Background I/O threads (orbax, tensorstore) that were reading a bad checkpoint would
+    otherwise print tracebacks while the interpreter shuts down, after the one-line error.
+    The entry point has finished its own writes by then (train closes its checkpointer).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == 2:
+        os._exit(code)
+    sys.exit(code)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from maxmoe.cli import config_from_args, main_guard, make_parser
+from maxmoe.cli import config_from_args, exit_with, main_guard, make_parser
 from maxmoe.config import Config, UserError
 
 
@@ -71,105 +71,107 @@ def train(config: Config) -> int:
     ckpt = checkpoint.Checkpointer(config, run_dir, is_main=is_main)
     ckpt.check_start()
 
-    # -- mesh ------------------------------------------------------------------------------
-    layout = build_layout(config)
-    devices = layout.mesh.size
+    try:
+        # -- mesh ------------------------------------------------------------------------------
+        layout = build_layout(config)
+        devices = layout.mesh.size
 
-    # -- data ------------------------------------------------------------------------------
-    train_data = data.make_dataset(config, split="train", process_index=jax.process_index(),
-                                   process_count=jax.process_count())
+        # -- data ------------------------------------------------------------------------------
+        train_data = data.make_dataset(config, split="train", process_index=jax.process_index(),
+                                       process_count=jax.process_count())
 
-    def to_device(local_batch):
-        return jax.make_array_from_process_local_data(layout.sharding(("batch", None)),
-                                                      np.asarray(local_batch, np.int32))
+        def to_device(local_batch):
+            return jax.make_array_from_process_local_data(layout.sharding(("batch", None)),
+                                                          np.asarray(local_batch, np.int32))
 
-    # -- state: init or restore; the compiled steps ----------------------------------------
-    stop = StopSignal()  # from here on, SIGTERM/SIGINT mean "save and stop after this step"
-    programs = build_programs(config, layout)
-    rng = jax.random.key(config.train.seed)
-    restored = ckpt.restore_latest(programs.abstract_state)
-    if restored is not None:
-        state, start = restored.state, restored.step
-        train_data.set_state(restored.data)
-    else:
-        state = programs.init(rng)
-        if config.checkpoint.init_from:
-            state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, programs.abstract_state))
-        start = 0
-    train_step, eval_step = programs.train_step, programs.eval_step
+        # -- state: init or restore; the compiled steps ----------------------------------------
+        stop = StopSignal()  # from here on, SIGTERM/SIGINT mean "save and stop after this step"
+        programs = build_programs(config, layout)
+        rng = jax.random.key(config.train.seed)
+        restored = ckpt.restore_latest(programs.abstract_state)
+        if restored is not None:
+            state, start = restored.state, restored.step
+            train_data.set_state(restored.data)
+        else:
+            state = programs.init(rng)
+            if config.checkpoint.init_from:
+                state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, programs.abstract_state))
+            start = 0
+        train_step, eval_step = programs.train_step, programs.eval_step
 
-    def evaluate(state) -> float:
-        losses = [eval_step(state.params, state.router, to_device(b))
-                  for b in data.make_dataset(config, split="eval", process_index=jax.process_index(),
-                                             process_count=jax.process_count())]
-        return float(np.mean(jax.device_get(losses)))
+        def evaluate(state) -> float:
+            losses = [eval_step(state.params, state.router, to_device(b))
+                      for b in data.make_dataset(config, split="eval", process_index=jax.process_index(),
+                                                 process_count=jax.process_count())]
+            return float(np.mean(jax.device_get(losses)))
 
-    # -- loop ------------------------------------------------------------------------------
-    t = config.train
-    tokens_per_step = t.batch_size * t.seq_len
-    flops_token = flops_per_token(config.model, t.seq_len)
-    peak = config.run.peak_tflops or peak_tflops(jax.devices()[0].device_kind)
-    schedule = learning_rate_schedule(t)
-    logger = MetricsLogger(run_dir, enabled=is_main, total_steps=t.steps, start_step=start,
-                           tensorboard=config.run.tensorboard, progress=config.run.progress)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config.to_yaml())
-        xla_flags.write_effective(run_dir, flags)
-        shape = " x ".join(f"{k}={v}" for k, v in layout.shape.items())
-        logger.message(f"maxmoe: {devices} {jax.devices()[0].platform} device(s), mesh {shape}, "
-                       f"{train_data.description}, steps {start}->{t.steps}")
-    profile = config.run.profile_steps
-    last_time, last_step, pending = time.perf_counter(), start, None
-    step = start
-    while step < t.steps:
-        if profile and step == profile[0]:
-            jax.profiler.start_trace(str(run_dir / "profile"))
-        state, metrics = train_step(state, to_device(next(train_data)))
-        step += 1
-        if step == start + 1:
-            jax.block_until_ready(metrics)  # compile time is not step time
-            first_step_time = time.perf_counter() - last_time
-            last_time, last_step = time.perf_counter(), step
-        if profile and step == profile[1] + 1:
-            jax.profiler.stop_trace()
-        if step % t.log_every == 0 or step == t.steps:
-            host = jax.device_get(metrics)
-            now = time.perf_counter()
-            # The first logged interval may hold only the compiling step.
-            step_time = (now - last_time) / (step - last_step) if step > last_step else first_step_time
-            last_time, last_step = now, step
-            tokens_per_s = tokens_per_step / step_time
-            per_device = tokens_per_s / devices
-            logger.log({"step": step, **{k: host[k] for k in ("loss", "lm_loss", "mtp_loss", "grad_norm")},
-                        "lr": float(schedule(step - 1)), "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                        "tflops_per_device": per_device * flops_token / 1e12,
-                        "mfu": mfu(per_device, flops_token, peak),
-                        "moe_imbalance": host["moe_imbalance"], "dropped_frac": host["dropped_frac"],
-                        "seq_aux": host["seq_aux"], "skipped_steps": host["skipped"]})
-        if step % t.eval_every == 0 or step == t.steps:
-            logger.log({"step": step, "eval_loss": evaluate(state)})
-            last_time = time.perf_counter()  # evaluation is not training time
-        # Read the previous step's counter so one step stays in flight. Skipped steps left the
-        # parameters as the last finite step made them, so the state saved here is a good one.
-        if pending is not None and int(pending) >= t.max_bad_steps:
-            ckpt.save(step, state, train_data.get_state(), force=True)
-            ckpt.close()
-            logger.close()
-            if is_main:
-                print(f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or gradient "
-                      f"norm and were skipped; the last good parameters are saved as step {step} in "
-                      f"{ckpt.directory}", file=sys.stderr)
-            return 1
-        pending = metrics["bad_steps"]
-        ckpt.save(step, state, train_data.get_state(), force=step == t.steps or stop.requested is not None)
-        if stop.requested:
-            ckpt.wait()
-            logger.message(f"maxmoe: {stop.requested}: saved step {step} in {ckpt.directory}; exiting")
-            break
-    ckpt.close()
-    logger.close()
-    return 0
+        # -- loop ------------------------------------------------------------------------------
+        t = config.train
+        tokens_per_step = t.batch_size * t.seq_len
+        flops_token = flops_per_token(config.model, t.seq_len)
+        peak = config.run.peak_tflops or peak_tflops(jax.devices()[0].device_kind)
+        schedule = learning_rate_schedule(t)
+        logger = MetricsLogger(run_dir, enabled=is_main, total_steps=t.steps, start_step=start,
+                               tensorboard=config.run.tensorboard, progress=config.run.progress)
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(config.to_yaml())
+            xla_flags.write_effective(run_dir, flags)
+            shape = " x ".join(f"{k}={v}" for k, v in layout.shape.items())
+            logger.message(f"maxmoe: {devices} {jax.devices()[0].platform} device(s), mesh {shape}, "
+                           f"{train_data.description}, steps {start}->{t.steps}")
+        profile = config.run.profile_steps
+        last_time, last_step, pending = time.perf_counter(), start, None
+        step = start
+        while step < t.steps:
+            if profile and step == profile[0]:
+                jax.profiler.start_trace(str(run_dir / "profile"))
+            state, metrics = train_step(state, to_device(next(train_data)))
+            step += 1
+            if step == start + 1:
+                jax.block_until_ready(metrics)  # compile time is not step time
+                first_step_time = time.perf_counter() - last_time
+                last_time, last_step = time.perf_counter(), step
+            if profile and step == profile[1] + 1:
+                jax.profiler.stop_trace()
+            if step % t.log_every == 0 or step == t.steps:
+                host = jax.device_get(metrics)
+                now = time.perf_counter()
+                # The first logged interval may hold only the compiling step.
+                step_time = (now - last_time) / (step - last_step) if step > last_step else first_step_time
+                last_time, last_step = now, step
+                tokens_per_s = tokens_per_step / step_time
+                per_device = tokens_per_s / devices
+                logger.log({"step": step, **{k: host[k] for k in ("loss", "lm_loss", "mtp_loss", "grad_norm")},
+                            "lr": float(schedule(step - 1)), "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                            "tflops_per_device": per_device * flops_token / 1e12,
+                            "mfu": mfu(per_device, flops_token, peak),
+                            "moe_imbalance": host["moe_imbalance"], "dropped_frac": host["dropped_frac"],
+                            "seq_aux": host["seq_aux"], "skipped_steps": host["skipped"]})
+            if step % t.eval_every == 0 or step == t.steps:
+                logger.log({"step": step, "eval_loss": evaluate(state)})
+                last_time = time.perf_counter()  # evaluation is not training time
+            # Read the previous step's counter so one step stays in flight. Skipped steps left the
+            # parameters as the last finite step made them, so the state saved here is a good one.
+            if pending is not None and int(pending) >= t.max_bad_steps:
+                ckpt.save(step, state, train_data.get_state(), force=True)
+                ckpt.close()
+                logger.close()
+                if is_main:
+                    print(f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or gradient "
+                          f"norm and were skipped; the last good parameters are saved as step {step} in "
+                          f"{ckpt.directory}", file=sys.stderr)
+                return 1
+            pending = metrics["bad_steps"]
+            ckpt.save(step, state, train_data.get_state(), force=step == t.steps or stop.requested is not None)
+            if stop.requested:
+                ckpt.wait()
+                logger.message(f"maxmoe: {stop.requested}: saved step {step} in {ckpt.directory}; exiting")
+                break
+        logger.close()
+        return 0
+    finally:
+        ckpt.close()  # finish pending saves before any exit, error or not
 
 
 @main_guard
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())
 
 
 __all__ = ["main", "train", "UserError"]

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,6 @@ class MetricsLogger:
         self.stream = stream or sys.stdout
         self.bar = progress == "bar" or (progress == "auto" and self.stream.isatty())
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.started = time.perf_counter()
         self._tb = None
         self._file = None
         if not enabled:
@@ -102,9 +100,8 @@ class MetricsLogger:
             value = r["eval_loss"]
             self.message(f"step {step:>6}  eval_loss {'nan' if value is None else f'{value:.4f}'}")
             return
-        done = step - self.start_step
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        # The latest step time, not elapsed / done: the first steps include compilation.
+        eta = (r.get("step_time_s") or 0.0) * (self.total_steps - step)
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "nan"
         text = (f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
