@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +47,42 @@ def _handlers(*names: str) -> dict:
     return {("state" if name == "params" else name): kinds[name]() for name in names}
 
 
+class _MainThreadOnly:
+    """A stderr that drops writes from other threads.
+
+    When a read fails, orbax gives up on it while tensorstore's I/O threads still hold
+    callbacks for the other reads; they later find orbax's event loop closed and print
+    tracebacks from their own threads. The user should see our one line only.
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if threading.current_thread() is threading.main_thread():
+            return self.stream.write(text)
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 @contextlib.contextmanager
 def _quiet_orbax():
-    """Hold back orbax's absl error logs while reading: a step that cannot be read becomes our one line."""
+    """Hold back orbax's absl error logs while reading: a step that cannot be read becomes our one line.
+
+    On a failed read, stderr keeps dropping other threads' writes for the rest of the process.
+    """
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
     absl_logger.setLevel(logging.CRITICAL)
+    stderr = sys.stderr
+    sys.stderr = _MainThreadOnly(stderr)
     try:
         yield
     finally:
         absl_logger.setLevel(level)
+    sys.stderr = stderr  # reached only when the read succeeded
 
 
 def _first_line(error: BaseException) -> str:
