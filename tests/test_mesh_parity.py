@@ -24,6 +24,8 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 COMMON = ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8", "train.seq_len=32",
           "train.warmup_steps=0"]
 STEPS = 3
+# Layouts sum gradients and expert outputs in other orders; after three AdamW steps in float32
+# the losses agree to ~1e-6 relative. 1e-4 is the tolerance the parity requirement states.
 
 
 def batches(config):

@@ -104,6 +104,7 @@ def test_grad_accumulation_matches_one_batch():
     b, mb = jax.jit(make_train_step(four, optimizer))(state, batch)
     # Losses are per-token means over equal micro-batches, so their mean is the full-batch loss.
     np.testing.assert_allclose(float(ma["lm_loss"]), float(mb["lm_loss"]), rtol=1e-5)
+    # The norm sums squares of gradients accumulated in another order: looser than the loss.
     np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-4)
 
 
@@ -142,4 +143,5 @@ def test_mesh_run_matches_single_device_run(tmp_path):
     one, _ = read_metrics(tmp_path / "one")
     eight, _ = read_metrics(tmp_path / "mesh")
     assert [x["step"] for x in one] == [x["step"] for x in eight] == [1, 2, 3]
+    # 1e-4 relative, as required: the mesh reduces in another order than one device.
     np.testing.assert_allclose([x["loss"] for x in eight], [x["loss"] for x in one], rtol=1e-4)
