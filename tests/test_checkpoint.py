@@ -257,7 +257,6 @@ def test_sigterm_saves_and_the_run_resumes_on_another_mesh(straight, env, tmp_pa
     resumed, reference = losses(run_dir), losses(straight)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     # fp32 sums in another order on another layout (the same tolerance as the mesh-parity test).
-    # Another mesh reduces in another order: 1e-4 relative, as required (same mesh: bitwise, above).
     np.testing.assert_allclose(resumed[stopped + 1], reference[stopped + 1], rtol=1e-4)
     np.testing.assert_allclose([resumed[s] for s in range(5, STEPS + 1)],
                                [reference[s] for s in range(5, STEPS + 1)], rtol=1e-4)

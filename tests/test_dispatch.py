@@ -29,6 +29,7 @@ STRATEGIES = ("ragged_a2a", "allgather", "capacity")
 MESHES = ((1, 8, 1), (2, 4, 1), (2, 2, 2), (4, 2, 1))
 WEIGHT_SPECS = {"w_gate": P("expert", None, "tensor"), "w_up": P("expert", None, "tensor"),
                 "w_down": P("expert", "tensor", None)}
+# float32, the design's tolerance: strategies sum the same products in other orders.
 TOL = dict(rtol=1e-5, atol=1e-5)
 D, F = 8, 4
 

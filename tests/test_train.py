@@ -31,6 +31,11 @@ def read_metrics(run_dir):
     return [x for x in lines if "loss" in x], [x for x in lines if "eval_loss" in x]
 
 
+# Small float32 runs on random tokens for in-process step tests.
+SMALL = ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8", "train.seq_len=32",
+         "train.warmup_steps=0"]
+
+
 def fixed_batch(config, seed=0):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.integers(0, config.model.vocab_size,
@@ -39,8 +44,7 @@ def fixed_batch(config, seed=0):
 
 @pytest.mark.smoke
 def test_loss_falls_on_a_repeated_batch():
-    config = load_config([TINY], ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8",
-                                  "train.seq_len=32", "train.warmup_steps=0", "train.steps=40"])
+    config = load_config([TINY], SMALL + ["train.steps=40"])
     optimizer = make_optimizer(config.train)
     state = init_state(config, optimizer, jax.random.key(0))
     step = jax.jit(make_train_step(config, optimizer))
@@ -55,9 +59,7 @@ def test_loss_falls_on_a_repeated_batch():
 
 
 def test_router_bias_moves_toward_balance():
-    config = load_config([TINY], ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8",
-                                  "train.seq_len=32", "train.lr=1e-9", "train.warmup_steps=0",
-                                  "moe.bias_update_rate=0.01", "moe.seq_aux_alpha=0"])
+    config = load_config([TINY], SMALL + ["train.lr=1e-9", "moe.bias_update_rate=0.01", "moe.seq_aux_alpha=0"])
     optimizer = make_optimizer(config.train)
     state = init_state(config, optimizer, jax.random.key(0))
     # Skewed initial routing: a head start for expert 0 that beats any score difference
