@@ -25,9 +25,12 @@ import os
 import shlex
 import sys
 
-os.environ["XLA_FLAGS"] = " ".join(
-    f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
-) + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    " ".join(
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    + " --xla_force_host_platform_device_count=8"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -38,13 +41,17 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig  # noqa: E402
 from maxmoe.parallel.dispatch import make_dispatch_plan  # noqa: E402
 
-WEIGHT_SPECS = {"w_gate": P("expert", None, "tensor"), "w_up": P("expert", None, "tensor"),
-                "w_down": P("expert", "tensor", None)}
+WEIGHT_SPECS = {
+    "w_gate": P("expert", None, "tensor"),
+    "w_up": P("expert", None, "tensor"),
+    "w_down": P("expert", "tensor", None),
+}
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
 COLLECTIVES = ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 OP_RE = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -85,8 +92,9 @@ def wire_bytes(hlo_text, devices):
             continue
         result, kind = match.group(1), match.group(2)
         size, peers = type_bytes(result), group_size(line, devices)
-        factor = {"all-reduce": 2 * (peers - 1) / peers, "reduce-scatter": peers - 1,
-                  "collective-permute": 1.0}.get(kind, (peers - 1) / peers)
+        factor = {"all-reduce": 2 * (peers - 1) / peers, "reduce-scatter": peers - 1, "collective-permute": 1.0}.get(
+            kind, (peers - 1) / peers
+        )
         by_kind[kind] = by_kind.get(kind, 0) + size * factor
     return by_kind
 
@@ -104,18 +112,24 @@ def make_inputs(layer, mesh, seed=0):
     shards = mesh.shape["data"] * mesh.shape["expert"]
     n = shards * layer.tokens
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    ids = np.argsort(np.random.default_rng(seed).random((n, layer.experts)), axis=-1)[:, :layer.top_k]
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    ids = np.argsort(np.random.default_rng(seed).random((n, layer.experts)), axis=-1)[:, : layer.top_k]
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
     tokens = P(("data", "expert"))
     x = put(jax.random.normal(keys[0], (n, 1, layer.hidden)), tokens)
     weights = put(jax.random.uniform(keys[1], (n, 1, layer.top_k)), tokens)
     scale = 1 / np.sqrt(layer.hidden)
-    w_gate = put(jax.random.normal(keys[2], (layer.experts, layer.hidden, layer.expert_mlp)) * scale,
-                 P("expert", None, "tensor"))
-    w_up = put(jax.random.normal(keys[3], (layer.experts, layer.hidden, layer.expert_mlp)) * scale,
-               P("expert", None, "tensor"))
-    w_down = put(jax.random.normal(keys[4], (layer.experts, layer.expert_mlp, layer.hidden)) * scale,
-                 P("expert", "tensor", None))
+    w_gate = put(
+        jax.random.normal(keys[2], (layer.experts, layer.hidden, layer.expert_mlp)) * scale, P("expert", None, "tensor")
+    )
+    w_up = put(
+        jax.random.normal(keys[3], (layer.experts, layer.hidden, layer.expert_mlp)) * scale, P("expert", None, "tensor")
+    )
+    w_down = put(
+        jax.random.normal(keys[4], (layer.experts, layer.expert_mlp, layer.hidden)) * scale, P("expert", "tensor", None)
+    )
     return ids, (x, put(jnp.asarray(ids, jnp.int32).reshape(n, 1, -1), tokens), weights, w_gate, w_up, w_down)
 
 
@@ -135,9 +149,17 @@ def measure(layer, variant, moe, mesh, repeats):
     native = native_ragged_bytes(ids, layer, ranks, 4) if plan.strategy == "ragged_a2a" else None
     minimum = 2 * layer.tokens * layer.top_k * layer.hidden * 4 * (ranks - 1) / ranks
     memory = compiled.memory_analysis()
-    return dict(layer=layer.name, variant=variant, hlo=sum(by_kind.values()), native=native, minimum=minimum,
-                ms=seconds * 1e3, temp=memory.temp_size_in_bytes, dropped=float(dropped),
-                kinds=", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(by_kind.items())))
+    return dict(
+        layer=layer.name,
+        variant=variant,
+        hlo=sum(by_kind.values()),
+        native=native,
+        minimum=minimum,
+        ms=seconds * 1e3,
+        temp=memory.temp_size_in_bytes,
+        dropped=float(dropped),
+        kinds=", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(by_kind.items())),
+    )
 
 
 def main():
@@ -149,24 +171,39 @@ def main():
     parser.add_argument("--proxy-top-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print("$ " + " ".join(shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
-                                                   sys.executable] + sys.argv))
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, float32, "
-          f"mesh data=1 x expert=8 x tensor=1, forward only\n")
+    print(
+        "$ "
+        + " ".join(
+            shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
+        )
+    )
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, float32, "
+        f"mesh data=1 x expert=8 x tensor=1, forward only\n"
+    )
 
     mesh = Mesh(np.array(jax.devices()).reshape(1, 8, 1), ("data", "expert", "tensor"))
-    layers = [Layer("tiny", 64, 64, 32, 8, 2),
-              Layer("proxy", args.proxy_tokens, args.proxy_hidden, args.proxy_expert_mlp, args.proxy_experts,
-                    args.proxy_top_k)]
-    variants = [("ragged_a2a", MoEConfig(dispatch="ragged_a2a")),
-                ("ragged_a2a buffer 2.0", MoEConfig(dispatch="ragged_a2a", buffer_factor=2.0)),
-                ("allgather", MoEConfig(dispatch="allgather")),
-                ("capacity 1.25", MoEConfig(dispatch="capacity", capacity_factor=1.25))]
-    header = (f"{'layer':<6} {'variant':<22} {'hlo MB':>9} {'native MB':>9} {'min MB':>8} {'hlo/min':>7} "
-              f"{'ms/call':>8} {'temp MB':>8} {'dropped':>7}  collectives (MB on the wire)")
+    layers = [
+        Layer("tiny", 64, 64, 32, 8, 2),
+        Layer(
+            "proxy", args.proxy_tokens, args.proxy_hidden, args.proxy_expert_mlp, args.proxy_experts, args.proxy_top_k
+        ),
+    ]
+    variants = [
+        ("ragged_a2a", MoEConfig(dispatch="ragged_a2a")),
+        ("ragged_a2a buffer 2.0", MoEConfig(dispatch="ragged_a2a", buffer_factor=2.0)),
+        ("allgather", MoEConfig(dispatch="allgather")),
+        ("capacity 1.25", MoEConfig(dispatch="capacity", capacity_factor=1.25)),
+    ]
+    header = (
+        f"{'layer':<6} {'variant':<22} {'hlo MB':>9} {'native MB':>9} {'min MB':>8} {'hlo/min':>7} "
+        f"{'ms/call':>8} {'temp MB':>8} {'dropped':>7}  collectives (MB on the wire)"
+    )
     for layer in layers:
-        print(f"{layer.name}: {layer.tokens} tokens/shard, D={layer.hidden}, F={layer.expert_mlp}, "
-              f"E={layer.experts}, top-{layer.top_k}")
+        print(
+            f"{layer.name}: {layer.tokens} tokens/shard, D={layer.hidden}, F={layer.expert_mlp}, "
+            f"E={layer.experts}, top-{layer.top_k}"
+        )
     print()
     print(header)
     print("-" * len(header))
@@ -174,9 +211,12 @@ def main():
         for variant, moe in variants:
             r = measure(layer, variant, moe, mesh, args.repeats)
             native = f"{r['native'] / 2**20:9.2f}" if r["native"] is not None else f"{'-':>9}"
-            print(f"{r['layer']:<6} {r['variant']:<22} {r['hlo'] / 2**20:9.2f} {native} {r['minimum'] / 2**20:8.2f} "
-                  f"{r['hlo'] / r['minimum']:7.1f} {r['ms']:8.1f} {r['temp'] / 2**20:8.1f} {r['dropped']:7.4f}  "
-                  f"{r['kinds']}", flush=True)
+            print(
+                f"{r['layer']:<6} {r['variant']:<22} {r['hlo'] / 2**20:9.2f} {native} {r['minimum'] / 2**20:8.2f} "
+                f"{r['hlo'] / r['minimum']:7.1f} {r['ms']:8.1f} {r['temp'] / 2**20:8.1f} {r['dropped']:7.4f}  "
+                f"{r['kinds']}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

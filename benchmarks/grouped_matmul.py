@@ -42,16 +42,18 @@ def matmul_peak(n, dtype, repeats):
 
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    seconds = timed(jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)), (a, b),
-                    repeats)
+    seconds = timed(
+        jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)), (a, b), repeats
+    )
     return {"name": f"dense {n}^3", "ms": seconds * 1e3, "tflops": 2 * n**3 / seconds / 1e12, "status": "ok"}
 
 
 def _pallas_mgpu(x, w, sizes):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
-                                      max_concurrent_steps=4, grid_block_n=1)
+    return ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=sizes, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
+    )
 
 
 def _te_grouped(x, w, sizes):
@@ -76,10 +78,18 @@ def grouped_backends(rows, d, f, groups, dtype, repeats):
     sizes = jnp.full((groups,), rows // groups, jnp.int32).at[-1].add(rows - groups * (rows // groups))
     platform = jax.devices()[0].platform
     candidates = [
-        ("dense", lambda: jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)),
-         (x, w_dense)),
-        ("ragged_dot", lambda: jax.jit(lambda a, b, s: jax.lax.ragged_dot(
-            a, b, s, preferred_element_type=jnp.float32).astype(dtype)), (x, w, sizes)),
+        (
+            "dense",
+            lambda: jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)),
+            (x, w_dense),
+        ),
+        (
+            "ragged_dot",
+            lambda: jax.jit(
+                lambda a, b, s: jax.lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32).astype(dtype)
+            ),
+            (x, w, sizes),
+        ),
         ("pallas_mgpu", lambda: jax.jit(_pallas_mgpu), (x, w, sizes)),
         ("te_grouped_gemm", lambda: jax.jit(_te_grouped), (x, w, sizes)),
     ]
@@ -106,8 +116,14 @@ def grouped_backends(rows, d, f, groups, dtype, repeats):
             seconds = timed(make(), args, repeats)
             results.append({"name": name, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "status": "ok"})
         except Exception as e:  # noqa: BLE001 - report the failure in the table
-            results.append({"name": name, "ms": None, "tflops": None,
-                            "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"})
+            results.append(
+                {
+                    "name": name,
+                    "ms": None,
+                    "tflops": None,
+                    "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}",
+                }
+            )
     dense = results[0]["tflops"]
     for r in results:
         r["vs_dense"] = r["tflops"] / dense if r["tflops"] and dense else None
@@ -143,24 +159,36 @@ def main(argv=None):
     import jax.numpy as jnp
 
     dtype = getattr(jnp, args.dtype)
-    command = " ".join(shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable]
-                       + sys.argv)
+    command = " ".join(
+        shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
+    )
     device = jax.devices()[0]
     peak = matmul_peak(args.peak, dtype, args.repeats) if args.peak else None
     rows = grouped_backends(args.rows, args.d, args.f, args.groups, dtype, args.repeats)
     print(f"$ {command}")
-    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {args.dtype}, M={args.rows} D={args.d} "
-          f"F={args.f} G={args.groups}")
+    print(
+        f"jax {jax.__version__}, {device.platform} {device.device_kind}, {args.dtype}, M={args.rows} D={args.d} "
+        f"F={args.f} G={args.groups}"
+    )
     if peak:
         print(f"matmul peak: {peak['tflops']:.2f} TFLOP/s ({args.peak}^3, {peak['ms']:.3f} ms)")
     print(format_table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": command, "device_kind": device.device_kind,
-                                               "jax": jax.__version__, "dtype": args.dtype, "peak": peak,
-                                               "shape": {"rows": args.rows, "d": args.d, "f": args.f,
-                                                         "groups": args.groups},
-                                               "backends": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "device_kind": device.device_kind,
+                    "jax": jax.__version__,
+                    "dtype": args.dtype,
+                    "peak": peak,
+                    "shape": {"rows": args.rows, "d": args.d, "f": args.f, "groups": args.groups},
+                    "backends": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -25,8 +25,13 @@ def main(argv=None):
     parser = make_parser("benchmarks/step.py", __doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--variant", action="append", default=[], metavar="'k=v k=v'",
-                        help="extra overrides for one timed variant (repeatable)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'k=v k=v'",
+        help="extra overrides for one timed variant (repeatable)",
+    )
     parser.add_argument("--label", default="", help="a name for this run in the table and JSON")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -47,30 +52,48 @@ def main(argv=None):
     from maxmoe.mesh import build_layout
     from maxmoe.sweep import time_shape
 
-    command = " ".join(shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable]
-                       + sys.argv)
+    command = " ".join(
+        shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
+    )
     rows = []
     for name, config in variants:
         layout = build_layout(config)
         result = time_shape(config, layout, args.steps, args.warmup)
-        rows.append({"label": args.label, "variant": name or "-", "profile": config.xla.profile,
-                     "mesh": layout.shape, **result})
+        rows.append(
+            {"label": args.label, "variant": name or "-", "profile": config.xla.profile, "mesh": layout.shape, **result}
+        )
     device = jax.devices()[0]
     print(f"$ {command}")
-    print(f"jax {jax.__version__}, {jax.device_count()} x {device.platform} {device.device_kind}, "
-          f"XLA flags: {' '.join(flags) or '(none)'}")
-    head = (f"{'run':<14} {'variant':<26} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} {'step s':>8} "
-            f"{'compile s':>9} {'loss':>8}")
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} x {device.platform} {device.device_kind}, "
+        f"XLA flags: {' '.join(flags) or '(none)'}"
+    )
+    head = (
+        f"{'run':<14} {'variant':<26} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} {'step s':>8} "
+        f"{'compile s':>9} {'loss':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
-        print(f"{r['label'] or '-':<14} {r['variant']:<26} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.3f} "
-              f"{mfu:>6} {r['step_s']:8.4f} {r['compile_s']:9.1f} {r['loss']:8.4f}")
+        print(
+            f"{r['label'] or '-':<14} {r['variant']:<26} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.3f} "
+            f"{mfu:>6} {r['step_s']:8.4f} {r['compile_s']:9.1f} {r['loss']:8.4f}"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": command, "xla_flags": flags, "jax": jax.__version__,
-                                               "device_kind": device.device_kind, "runs": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "xla_flags": flags,
+                    "jax": jax.__version__,
+                    "device_kind": device.device_kind,
+                    "runs": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

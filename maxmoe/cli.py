@@ -6,7 +6,7 @@ import argparse
 import functools
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from maxmoe.config import Config, UserError, load_config
 
@@ -21,10 +21,12 @@ class _Parser(argparse.ArgumentParser):
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser that takes repeated `--config FILE` and trailing `section.key=value` overrides."""
     parser = _Parser(prog=prog, description=description)
-    parser.add_argument("--config", action="append", default=[], metavar="FILE",
-                        help="YAML config; repeat to merge in order")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="typed overrides applied after the files")
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="FILE", help="YAML config; repeat to merge in order"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="typed overrides applied after the files"
+    )
     return parser
 
 

@@ -85,8 +85,9 @@ class MoEConfig:
     capacity_factor: float = _field(1.25, gt=0, doc="capacity dispatch: slots per expert / even share")
     buffer_factor: float = _field(0.0, ge=0, doc="0: dropless receive buffers; >0 bounds them")
     grouped_matmul: str = _field("ragged_dot", choices=("ragged_dot", "dense_loop"))
-    emulate_ragged_a2a: str = _field("auto", choices=("auto", "true", "false"),
-                                     doc="auto: emulate where the backend lacks ragged all-to-all")
+    emulate_ragged_a2a: str = _field(
+        "auto", choices=("auto", "true", "false"), doc="auto: emulate where the backend lacks ragged all-to-all"
+    )
     bias_update_rate: float = _field(0.001, ge=0, doc="aux-loss-free bias step (DeepSeek-V3: 0.001)")
     seq_aux_alpha: float = _field(0.0001, ge=0, doc="sequence-wise balance loss weight")
 
@@ -118,8 +119,10 @@ class MeshConfig:
     fsdp: bool = _field(False, doc="shard params, grads and optimizer state over data")
     scale_up_domain: int = _field(0, ge=0, doc="devices per NVLink domain; 0: auto")
     allow_cross_domain: bool = _field(False)
-    rules: dict = _field(DEFAULT_RULES, doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp); "
-                                            "rules not given keep their defaults")
+    rules: dict = _field(
+        DEFAULT_RULES,
+        doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp); rules not given keep their defaults",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +217,7 @@ class Config:
     xla: XlaConfig = dataclasses.field(default_factory=XlaConfig)
     dist: DistConfig = dataclasses.field(default_factory=DistConfig)
 
-    def replace(self, **sections) -> "Config":
+    def replace(self, **sections) -> Config:
         """A copy with whole sections replaced."""
         return dataclasses.replace(self, **sections)
 
@@ -334,7 +337,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         value = _parse_scalar(text)
         if section == "mesh" and name.startswith("rules."):
             # mesh.rules.<logical>=[axes] changes one rule and keeps the others.
-            name, value = "rules", {**raw["mesh"].get("rules", {}), name[len("rules."):]: value}
+            name, value = "rules", {**raw["mesh"].get("rules", {}), name[len("rules.") :]: value}
         _merge_section(section, raw[section], {name: value}, "override")
     return build_config(raw)
 
@@ -369,16 +372,22 @@ def validate(config: Config) -> None:
     if m.experts_per_token > m.num_experts:
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts={m.num_experts}")
     if m.num_experts % m.num_expert_groups:
-        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by model.num_expert_groups={m.num_expert_groups}")
+        raise ConfigError(
+            f"model.num_experts={m.num_experts} is not divisible by model.num_expert_groups={m.num_expert_groups}"
+        )
     if m.topk_groups > m.num_expert_groups:
         raise ConfigError(f"model.topk_groups={m.topk_groups} exceeds model.num_expert_groups={m.num_expert_groups}")
     per_group = m.num_experts // m.num_expert_groups
     if m.num_expert_groups > 1 and per_group < 2 and m.score_func == "sigmoid":
-        raise ConfigError(f"group-limited routing needs >= 2 experts per group (group score = top-2 sum); "
-                          f"got {per_group} with model.num_expert_groups={m.num_expert_groups}")
+        raise ConfigError(
+            f"group-limited routing needs >= 2 experts per group (group score = top-2 sum); "
+            f"got {per_group} with model.num_expert_groups={m.num_expert_groups}"
+        )
     if m.topk_groups * per_group < m.experts_per_token:
-        raise ConfigError(f"model.topk_groups={m.topk_groups} groups of {per_group} experts cannot supply "
-                          f"model.experts_per_token={m.experts_per_token}")
+        raise ConfigError(
+            f"model.topk_groups={m.topk_groups} groups of {per_group} experts cannot supply "
+            f"model.experts_per_token={m.experts_per_token}"
+        )
     if m.qk_rope_head_dim % 2:
         raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
     for axis in ("data", "expert", "tensor"):
@@ -399,8 +408,9 @@ def validate(config: Config) -> None:
     ps = config.run.profile_steps
     if ps and (len(ps) != 2 or not all(isinstance(s, int) and s >= 0 for s in ps) or ps[0] > ps[1]):
         raise ConfigError(f"run.profile_steps={ps!r}: expected [first, last] step numbers")
-    if config.dist.mode == "explicit" and (not config.dist.coordinator_address or config.dist.num_processes < 1
-                                           or config.dist.process_id < 0):
+    if config.dist.mode == "explicit" and (
+        not config.dist.coordinator_address or config.dist.num_processes < 1 or config.dist.process_id < 0
+    ):
         raise ConfigError("dist.mode=explicit needs dist.coordinator_address, dist.num_processes and dist.process_id")
     check_mesh_fits(config, mesh_sizes(config))
 
@@ -426,8 +436,10 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
         shards = data * expert
         micro = t.batch_size // t.grad_accum
         if micro % shards:
-            raise ConfigError(f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} = {micro} sequences "
-                              f"per micro-batch is not divisible by mesh.data x mesh.expert = {shards}")
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} = {micro} sequences "
+                f"per micro-batch is not divisible by mesh.data x mesh.expert = {shards}"
+            )
 
 
 def dtype_of(name: str):

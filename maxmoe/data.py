@@ -50,8 +50,12 @@ def _tokenizer(spec: str, eos_token: str):
     if spec == "byte":
         if eos_token:
             raise UserError("--eos-token applies to a tokenizer.json; the byte tokenizer's EOS is 257")
-        return (lambda path: data.byte_tokens(Path(path).read_bytes()), data.BYTE_VOCAB_SIZE, data.EOS_ID,
-                {"tokenizer": "byte", "bos_id": data.BOS_ID, "pad_id": data.PAD_ID})
+        return (
+            lambda path: data.byte_tokens(Path(path).read_bytes()),
+            data.BYTE_VOCAB_SIZE,
+            data.EOS_ID,
+            {"tokenizer": "byte", "bos_id": data.BOS_ID, "pad_id": data.PAD_ID},
+        )
     if not Path(spec).is_file():
         raise UserError(f"--tokenizer {spec}: expected 'byte' or the path of a tokenizer.json file")
     try:
@@ -82,16 +86,24 @@ def prepare(args: argparse.Namespace) -> None:
         raise UserError(f"--out {out} already exists; remove it or choose another folder")
     files = _input_files(args.input)
     encode, vocab_size, eos_id, info = _tokenizer(args.tokenizer, args.eos_token)
-    meta = data.write_token_folder(out, files, encode, vocab_size=vocab_size, eos_id=eos_id,
-                                   eval_fraction=args.eval_fraction,
-                                   info={"source": f"{len(files)} files from {', '.join(args.input)}", **info})
+    meta = data.write_token_folder(
+        out,
+        files,
+        encode,
+        vocab_size=vocab_size,
+        eos_id=eos_id,
+        eval_fraction=args.eval_fraction,
+        info={"source": f"{len(files)} files from {', '.join(args.input)}", **info},
+    )
     _print_stats(out, meta)
 
 
 def _print_stats(folder: Path, meta: dict) -> None:
     print(f"{folder}: {meta.get('source', '?')}")
-    print(f"  tokenizer {meta.get('tokenizer', '?')}, vocab {meta['vocab_size']}, {meta['dtype']}, "
-          f"EOS {meta.get('eos_id')}")
+    print(
+        f"  tokenizer {meta.get('tokenizer', '?')}, vocab {meta['vocab_size']}, {meta['dtype']}, "
+        f"EOS {meta.get('eos_id')}"
+    )
     for split, entry in meta["splits"].items():
         print(f"  {split:5s} {entry.get('tokens', 0):>14,} tokens  {entry.get('documents', 0):>8,} documents")
 
@@ -101,10 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m maxmoe.data", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
     make = commands.add_parser("prepare", help="tokenise files into a token folder")
-    make.add_argument("--input", action="append", required=True, metavar="GLOB",
-                      help="files to read, one document each ('**' recurses); repeat for more")
-    make.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
-                      help="'byte' (default) or a Hugging Face tokenizer.json")
+    make.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="GLOB",
+        help="files to read, one document each ('**' recurses); repeat for more",
+    )
+    make.add_argument(
+        "--tokenizer", default="byte", metavar="byte|PATH", help="'byte' (default) or a Hugging Face tokenizer.json"
+    )
     make.add_argument("--out", required=True, metavar="DIR", help="the token folder to create")
     make.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out for eval")
     make.add_argument("--eos-token", default="", help="end-of-document token of a tokenizer.json")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from maxmoe.config import DistConfig, UserError
 
@@ -105,8 +105,10 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
         except OSError as e:
             last = e.strerror or type(e).__name__
         if time.monotonic() + 1.0 > deadline:
-            raise UserError(f"cannot reach the jax.distributed coordinator at {address} within {timeout_s:g}s "
-                            f"({last}); is process 0 running, and is the port open between hosts?")
+            raise UserError(
+                f"cannot reach the jax.distributed coordinator at {address} within {timeout_s:g}s "
+                f"({last}); is process 0 running, and is the port open between hosts?"
+            )
         time.sleep(1.0)
 
 
@@ -117,8 +119,11 @@ def initialize(dist_config: DistConfig) -> None:
     if dist_config.mode == "none":
         return
     if dist_config.mode == "explicit":
-        kwargs = {"coordinator_address": dist_config.coordinator_address,
-                  "num_processes": dist_config.num_processes, "process_id": dist_config.process_id}
+        kwargs = {
+            "coordinator_address": dist_config.coordinator_address,
+            "num_processes": dist_config.num_processes,
+            "process_id": dist_config.process_id,
+        }
         launcher = "dist.mode=explicit"
         many = dist_config.num_processes > 1
     elif dist_config.mode == "auto":
@@ -142,8 +147,10 @@ def initialize(dist_config: DistConfig) -> None:
     except Exception as e:  # noqa: BLE001 - jax raises RuntimeError, ValueError or XlaRuntimeError
         where = kwargs.get("coordinator_address") or "auto-detected coordinator"
         detail = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise UserError(f"jax.distributed.initialize failed ({launcher}, coordinator {where}, "
-                        f"timeout {dist_config.timeout_s}s): {detail}") from None
+        raise UserError(
+            f"jax.distributed.initialize failed ({launcher}, coordinator {where}, "
+            f"timeout {dist_config.timeout_s}s): {detail}"
+        ) from None
 
 
 def is_main_process() -> bool:

@@ -78,7 +78,9 @@ def _attention_params(m: ModelConfig) -> int:
 
 
 def _moe_active_matmul_params(m: ModelConfig) -> int:
-    return 3 * m.hidden_size * m.moe_mlp_dim * (m.experts_per_token + m.num_shared_experts) + m.hidden_size * m.num_experts
+    return (
+        3 * m.hidden_size * m.moe_mlp_dim * (m.experts_per_token + m.num_shared_experts) + m.hidden_size * m.num_experts
+    )
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -86,10 +88,15 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     dense_mlp = 3 * m.hidden_size * m.mlp_dim
     attn = _attention_params(m)
     moe_layers = m.num_layers - m.first_k_dense
-    matmul_params = (m.num_layers * attn + m.first_k_dense * dense_mlp + moe_layers * _moe_active_matmul_params(m)
-                     + m.hidden_size * m.vocab_size)
-    mtp_params = m.mtp_num_layers * (2 * m.hidden_size * m.hidden_size + attn + _moe_active_matmul_params(m)
-                                     + m.hidden_size * m.vocab_size)
+    matmul_params = (
+        m.num_layers * attn
+        + m.first_k_dense * dense_mlp
+        + moe_layers * _moe_active_matmul_params(m)
+        + m.hidden_size * m.vocab_size
+    )
+    mtp_params = m.mtp_num_layers * (
+        2 * m.hidden_size * m.hidden_size + attn + _moe_active_matmul_params(m) + m.hidden_size * m.vocab_size
+    )
     attention_layers = m.num_layers + m.mtp_num_layers
     core = 3 * seq_len * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
     return 6.0 * (matmul_params + mtp_params) + attention_layers * core

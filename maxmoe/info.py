@@ -1,7 +1,7 @@
 """`python -m maxmoe.info`: parameter counts and FLOPs of a config, without allocating parameters.
 
-    python -m maxmoe.info --config configs/deepseek_v3_671b.yaml [key=value ...] [--json]
-    python -m maxmoe.info --config configs/tiny.yaml run.cpu_devices=8 mesh.expert=8 --lower cuda
+python -m maxmoe.info --config configs/deepseek_v3_671b.yaml [key=value ...] [--json]
+python -m maxmoe.info --config configs/tiny.yaml run.cpu_devices=8 mesh.expert=8 --lower cuda
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from maxmoe.cli import config_from_args, main_guard, make_parser
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("python -m maxmoe.info", __doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--lower", choices=["cuda"], help="lower one train step for this platform and "
-                        "count its collectives (no GPU needed)")
+    parser.add_argument(
+        "--lower",
+        choices=["cuda"],
+        help="lower one train step for this platform and count its collectives (no GPU needed)",
+    )
     args = parser.parse_args(argv)
     config = config_from_args(args)
 

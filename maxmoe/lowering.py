@@ -12,8 +12,7 @@ import re
 
 from maxmoe.config import Config
 
-COLLECTIVES = ("ragged_all_to_all", "all_to_all", "all_gather", "reduce_scatter", "all_reduce",
-               "collective_permute")
+COLLECTIVES = ("ragged_all_to_all", "all_to_all", "all_gather", "reduce_scatter", "all_reduce", "collective_permute")
 
 
 def lower_train_step(config: Config, platform: str = "cuda"):

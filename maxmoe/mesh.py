@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -39,13 +40,17 @@ def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
     fill = [a for a, s in sizes.items() if s == -1]
     if fill:
         if num_devices % fixed:
-            raise ConfigError(f"cannot fill mesh.{fill[0]}: {num_devices} devices are not divisible by "
-                              f"the other axes' product {fixed}")
+            raise ConfigError(
+                f"cannot fill mesh.{fill[0]}: {num_devices} devices are not divisible by "
+                f"the other axes' product {fixed}"
+            )
         sizes[fill[0]] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
-        raise ConfigError(f"mesh {shape} = {math.prod(sizes.values())} devices, but {num_devices} are available "
-                          f"(set one axis to -1 to fill)")
+        raise ConfigError(
+            f"mesh {shape} = {math.prod(sizes.values())} devices, but {num_devices} are available "
+            f"(set one axis to -1 to fill)"
+        )
     check_mesh_fits(config, sizes)
     return sizes
 
@@ -78,9 +83,11 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
     domain_of = {d.id: domains[i] for i, d in enumerate(devices)}
     split = [i for i in range(sizes["data"]) if len({domain_of[d.id] for d in grid[i].flat}) > 1]
     if split:
-        message = (f"mesh.expert x mesh.tensor = {sizes['expert'] * sizes['tensor']} devices do not fit inside one "
-                   f"scale-up domain (domains of {sorted(set(domains.count(x) for x in set(domains)))} devices); "
-                   f"expert and tensor traffic would cross the slow network")
+        message = (
+            f"mesh.expert x mesh.tensor = {sizes['expert'] * sizes['tensor']} devices do not fit inside one "
+            f"scale-up domain (domains of {sorted(set(domains.count(x) for x in set(domains)))} devices); "
+            f"expert and tensor traffic would cross the slow network"
+        )
         if not config.mesh.allow_cross_domain:
             raise ConfigError(message + " (set mesh.allow_cross_domain=true to build it anyway)")
         warnings.warn(message, stacklevel=2)
@@ -101,8 +108,9 @@ def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
     return rules
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: dict[str, tuple[str, ...]],
-                    mesh_shape: dict[str, int] | None = None) -> PartitionSpec:
+def logical_to_spec(
+    logical_axes: Sequence[str | None], rules: dict[str, tuple[str, ...]], mesh_shape: dict[str, int] | None = None
+) -> PartitionSpec:
     """PartitionSpec for logical axes; a mesh axis goes to the first dimension that asks for it.
 
     Axes of size 1 are left out, so specs stay readable.
@@ -110,8 +118,11 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: dict[str, tuple[s
     used: set[str] = set()
     spec = []
     for name in logical_axes:
-        axes = [a for a in rules.get(name, ()) if name is not None and a not in used
-                and (mesh_shape is None or mesh_shape.get(a, 1) > 1)]
+        axes = [
+            a
+            for a in rules.get(name, ())
+            if name is not None and a not in used and (mesh_shape is None or mesh_shape.get(a, 1) > 1)
+        ]
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return PartitionSpec(*spec)
@@ -150,8 +161,11 @@ class Layout:
     def tree_shardings(self, boxed_tree) -> Any:
         """NamedShardings for a tree of flax-boxed variables (unboxed leaves are replicated)."""
         logical = nn.get_partition_spec(boxed_tree)
-        return jax.tree.map(lambda spec: self.sharding(tuple(spec) if spec is not None else ()), logical,
-                            is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+        return jax.tree.map(
+            lambda spec: self.sharding(tuple(spec) if spec is not None else ()),
+            logical,
+            is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+        )
 
 
 def build_layout(config: Config, devices: Sequence[Any] | None = None, platform: str | None = None) -> Layout:
@@ -166,10 +180,20 @@ def build_layout(config: Config, devices: Sequence[Any] | None = None, platform:
     if mesh.size > 1:
         from maxmoe.parallel.dispatch import make_dispatch_plan
 
-        plan = make_dispatch_plan(mesh, config.moe, token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
-                                  expert_axis="expert", tensor_axis="tensor", platform=platform,
-                                  weight_specs={name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in
-                                                (("w_gate", ("expert", "embed", "expert_mlp")),
-                                                 ("w_up", ("expert", "embed", "expert_mlp")),
-                                                 ("w_down", ("expert", "expert_mlp", "embed")))})
+        plan = make_dispatch_plan(
+            mesh,
+            config.moe,
+            token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
+            expert_axis="expert",
+            tensor_axis="tensor",
+            platform=platform,
+            weight_specs={
+                name: logical_to_spec(axes, rules, dict(mesh.shape))
+                for name, axes in (
+                    ("w_gate", ("expert", "embed", "expert_mlp")),
+                    ("w_up", ("expert", "embed", "expert_mlp")),
+                    ("w_down", ("expert", "expert_mlp", "embed")),
+                )
+            },
+        )
     return Layout(mesh, rules, plan)

@@ -120,8 +120,23 @@ def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | Non
 # ---------------------------------------------------------------------------------------
 # HLO collectives
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 _OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
@@ -147,15 +162,19 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
         if iota.group(4):
             ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
         return ids.reshape(groups, size).tolist()
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-                      r"\s*\{([^}]*)\}", line)
+    named = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+        r"\s*\{([^}]*)\}",
+        line,
+    )
     if named:  # mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: groups vary the listed axes
         axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
         names, dims = [a for a, _ in axes], [int(d) for _, d in axes]
         ids = np.arange(math.prod(dims))
         if named.group(2):
             order = np.arange(math.prod(int(d) for d in named.group(2).split(","))).reshape(
-                [int(d) for d in named.group(2).split(",")])
+                [int(d) for d in named.group(2).split(",")]
+            )
             if named.group(3):
                 order = order.transpose([int(p) for p in named.group(3).split(",")])
             ids = order.reshape(-1)
@@ -239,8 +258,11 @@ def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:
             size = max(sizes) if started and kind != "all-reduce" else sum(sizes) if not started else sizes[-1]
             groups = replica_groups(line, n)
             peers = max(len(g) for g in groups) if kind != "collective-permute" else 2
-            factor = {"all-reduce": 2 * (peers - 1) / peers, "reduce-scatter": peers - 1,
-                      "collective-permute": 1.0}.get(kind, (peers - 1) / peers)
+            factor = {
+                "all-reduce": 2 * (peers - 1) / peers,
+                "reduce-scatter": peers - 1,
+                "collective-permute": 1.0,
+            }.get(kind, (peers - 1) / peers)
             moved = size * factor * runs
             by_kind[kind] = by_kind.get(kind, 0.0) + moved
             ops[kind] = ops.get(kind, 0) + int(runs)
@@ -291,8 +313,9 @@ def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
 # Compiling and timing one step
 
 
-def _proxy_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                             axis_name, emulate):  # noqa: ARG001 - same signature as the real one
+def _proxy_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, emulate
+):  # noqa: ARG001 - same signature as the real one
     """Stand-in with the native collective's shapes and balanced-routing bytes (dry runs only).
 
     Moves min(N, M) rows with one dense all_to_all ((P-1)/P of them leave the device) and
@@ -358,8 +381,10 @@ def dry_run_shape(config: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         by_kind["all-to-all"] /= 2
         if "all-to-all" in cross:
             cross["all-to-all"] /= 2
-        notes.append("all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
-                     "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)")
+        notes.append(
+            "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
+            "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
+        )
     native = native_a2a_bytes(shaped, sizes) if ragged else 0.0
     memory_bound = "compiled"
     emulation_temp = 0.0
@@ -370,14 +395,20 @@ def dry_run_shape(config: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         by_kind["all-to-all"] = native
         emulation_temp = emulation_temp_bytes(shaped, sizes, plan)
         memory_bound = "upper bound"
-        notes.append("all-to-all: analytic native bytes replace the emulation's (emulated_all_to_all); memory is "
-                     f"an upper bound: the emulation adds roughly {emulation_temp / GB:.2f} GB of [P, M, D] blocks "
-                     "per live call")
+        notes.append(
+            "all-to-all: analytic native bytes replace the emulation's (emulated_all_to_all); memory is "
+            f"an upper bound: the emulation adds roughly {emulation_temp / GB:.2f} GB of [P, M, D] blocks "
+            "per live call"
+        )
     elif ragged:
         notes.append("all-to-all: measured on the native-shaped stand-in (balanced routing)")
     wire_kinds = {k: v for k, v in by_kind.items() if k != "emulated_all_to_all"}
-    arg, out, alias, temp = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                             mem.temp_size_in_bytes)
+    arg, out, alias, temp = (
+        mem.argument_size_in_bytes,
+        mem.output_size_in_bytes,
+        mem.alias_size_in_bytes,
+        mem.temp_size_in_bytes,
+    )
     total = arg + out - alias + temp
     t = shaped.train
     tokens = t.batch_size * t.seq_len
@@ -387,17 +418,35 @@ def dry_run_shape(config: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
     else:
         domain_note = f"{len(set(domain))} domain(s) (one per process)"
     return {
-        "mesh": sizes, "name": mesh_name(sizes), "devices": mesh.size, "dispatch": plan.strategy if plan else "local",
+        "mesh": sizes,
+        "name": mesh_name(sizes),
+        "devices": mesh.size,
+        "dispatch": plan.strategy if plan else "local",
         "a2a_model": a2a if ragged else "-",
-        "memory": {"argument": arg, "output": out, "alias": alias, "temp": temp, "total": total,
-                   "generated_code": getattr(mem, "generated_code_size_in_bytes", 0), "kind": memory_bound,
-                   "emulation_temp_estimate": emulation_temp},
-        "fits": total <= hbm_gb * GB, "hbm_gb": hbm_gb,
-        "collectives": by_kind, "collective_ops": wire["ops"], "collective_total": sum(wire_kinds.values()),
-        "cross_domain": cross, "cross_domain_total": sum(v for k, v in cross.items() if k != "emulated_all_to_all"),
-        "native_a2a_bytes": native, "tokens_per_shard": tokens_per_shard(shaped, sizes),
-        "flops_per_device": flops, "domains": domain_note,
-        "lower_s": lower_s, "compile_s": compile_s, "notes": notes,
+        "memory": {
+            "argument": arg,
+            "output": out,
+            "alias": alias,
+            "temp": temp,
+            "total": total,
+            "generated_code": getattr(mem, "generated_code_size_in_bytes", 0),
+            "kind": memory_bound,
+            "emulation_temp_estimate": emulation_temp,
+        },
+        "fits": total <= hbm_gb * GB,
+        "hbm_gb": hbm_gb,
+        "collectives": by_kind,
+        "collective_ops": wire["ops"],
+        "collective_total": sum(wire_kinds.values()),
+        "cross_domain": cross,
+        "cross_domain_total": sum(v for k, v in cross.items() if k != "emulated_all_to_all"),
+        "native_a2a_bytes": native,
+        "tokens_per_shard": tokens_per_shard(shaped, sizes),
+        "flops_per_device": flops,
+        "domains": domain_note,
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "notes": notes,
     }
 
 
@@ -417,8 +466,9 @@ def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict
     state = programs.init(jax.random.key(config.train.seed))
     t = config.train
     rng = np.random.default_rng(0)
-    tokens = jax.device_put(rng.integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32),
-                            batch_sharding)
+    tokens = jax.device_put(
+        rng.integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32), batch_sharding
+    )
     for _ in range(warmup):
         state, metrics = compiled(state, tokens)
     jax.block_until_ready((state, metrics))
@@ -433,11 +483,22 @@ def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict
     kind = jax.devices()[0].device_kind
     peak = config.run.peak_tflops or peak_tflops(kind)
     mem = compiled.memory_analysis()
-    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-             + mem.temp_size_in_bytes) if mem is not None else None
-    return {"step_s": step_s, "tokens_per_s": tokens_per_s, "tflops_per_device": tokens_per_s / devices * per_token / 1e12,
-            "mfu": mfu(tokens_per_s / devices, per_token, peak), "peak_tflops": peak, "device_kind": kind,
-            "compile_s": compile_s, "loss": float(metrics["loss"]), "memory_total": total}
+    total = (
+        (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+        if mem is not None
+        else None
+    )
+    return {
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_device": tokens_per_s / devices * per_token / 1e12,
+        "mfu": mfu(tokens_per_s / devices, per_token, peak),
+        "peak_tflops": peak,
+        "device_kind": kind,
+        "compile_s": compile_s,
+        "loss": float(metrics["loss"]),
+        "memory_total": total,
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -456,8 +517,12 @@ class Progress:
         width = 24
         filled = int(width * self.done / max(self.total, 1))
         elapsed = time.perf_counter() - self.start
-        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label:<40}",
-              end="", file=sys.stderr, flush=True)
+        print(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label:<40}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def step(self, label: str) -> None:
         self.done += 1
@@ -487,12 +552,16 @@ def format_table(results: list[dict], dry_run: bool) -> str:
 
     u = unit
     if dry_run:
-        head = (f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'arg ' + u:>8} {'out ' + u:>7} {'alias ' + u:>8} "
-                f"{'temp ' + u:>8} {'total ' + u:>8} {'fits':>4} {'wire ' + u:>8} {'x-dom ' + u:>8} {'a2a ' + u:>7} "
-                f"{'AR ' + u:>7} {'AG ' + u:>7} {'RS ' + u:>7} {'TFLOP':>7} {'compile s':>9}")
+        head = (
+            f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'arg ' + u:>8} {'out ' + u:>7} {'alias ' + u:>8} "
+            f"{'temp ' + u:>8} {'total ' + u:>8} {'fits':>4} {'wire ' + u:>8} {'x-dom ' + u:>8} {'a2a ' + u:>7} "
+            f"{'AR ' + u:>7} {'AG ' + u:>7} {'RS ' + u:>7} {'TFLOP':>7} {'compile s':>9}"
+        )
     else:
-        head = (f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} "
-                f"{'step s':>8} {'compile s':>9}")
+        head = (
+            f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} "
+            f"{'step s':>8} {'compile s':>9}"
+        )
     lines = [head, "-" * len(head)]
     for i, r in enumerate(results, 1):
         name = r["name"]
@@ -506,11 +575,14 @@ def format_table(results: list[dict], dry_run: bool) -> str:
                 f"{_gb(m['temp']):>8} {_gb(m['total']):>8} {'yes' if r['fits'] else 'no':>4} "
                 f"{_gb(r['collective_total']):>8} {_gb(r['cross_domain_total']):>8} {_gb(c.get('all-to-all', 0)):>7} "
                 f"{_gb(c.get('all-reduce', 0)):>7} {_gb(c.get('all-gather', 0)):>7} {_gb(c.get('reduce-scatter', 0)):>7} "
-                f"{r['flops_per_device'] / 1e12:7.3g} {r['compile_s']:9.1f}")
+                f"{r['flops_per_device'] / 1e12:7.3g} {r['compile_s']:9.1f}"
+            )
         else:
             mfu_text = f"{r['mfu']:.3f}" if r.get("mfu") is not None else "n/a"
-            lines.append(f"{i:>2} {name:<26} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.2f} {mfu_text:>6} "
-                         f"{r['step_s']:8.4f} {r['compile_s']:9.1f}")
+            lines.append(
+                f"{i:>2} {name:<26} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.2f} {mfu_text:>6} "
+                f"{r['step_s']:8.4f} {r['compile_s']:9.1f}"
+            )
     return "\n".join(lines)
 
 
@@ -556,9 +628,17 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
 # Entry point
 
 
-def sweep(config: Config, num_devices: int | None, dry_run: bool, meshes: list[dict[str, int]] | None = None,
-          hbm_gb: float = 141.0, steps: int = 10, warmup: int = 2, a2a: str = "proxy",
-          progress: bool = True) -> dict:
+def sweep(
+    config: Config,
+    num_devices: int | None,
+    dry_run: bool,
+    meshes: list[dict[str, int]] | None = None,
+    hbm_gb: float = 141.0,
+    steps: int = 10,
+    warmup: int = 2,
+    a2a: str = "proxy",
+    progress: bool = True,
+) -> dict:
     """Run the sweep; returns {"results": ranked, "skipped": [...], ...}."""
     from maxmoe.train import set_host_device_count
 
@@ -574,14 +654,17 @@ def sweep(config: Config, num_devices: int | None, dry_run: bool, meshes: list[d
     if num_devices is None:
         num_devices = len(devices)
     if len(devices) < num_devices:
-        raise UserError(f"--devices {num_devices}: only {len(devices)} {devices[0].platform} devices are available "
-                        f"(use --dry-run to compile for fake CPU devices)")
+        raise UserError(
+            f"--devices {num_devices}: only {len(devices)} {devices[0].platform} devices are available "
+            f"(use --dry-run to compile for fake CPU devices)"
+        )
     devices = devices[:num_devices]
     if meshes:
         for sizes in meshes:
             if math.prod(sizes.values()) != num_devices:
-                raise UserError(f"--mesh {mesh_name(sizes)} needs {math.prod(sizes.values())} devices, "
-                                f"not --devices {num_devices}")
+                raise UserError(
+                    f"--mesh {mesh_name(sizes)} needs {math.prod(sizes.values())} devices, not --devices {num_devices}"
+                )
     kept, skipped = candidate_shapes(config, devices, meshes)
     if not kept:
         reasons = "; ".join(f"{mesh_name(s)}: {why}" for s, why in skipped[:3])
@@ -598,21 +681,36 @@ def sweep(config: Config, num_devices: int | None, dry_run: bool, meshes: list[d
 
                 shaped = with_mesh(config, sizes)
                 layout = build_layout(shaped, list(mesh.devices.flat))
-                result = {"mesh": sizes, "name": mesh_name(sizes), "devices": mesh.size,
-                          **time_shape(shaped, layout, steps, warmup)}
+                result = {
+                    "mesh": sizes,
+                    "name": mesh_name(sizes),
+                    "devices": mesh.size,
+                    **time_shape(shaped, layout, steps, warmup),
+                }
         except UserError as e:
             result = {"mesh": sizes, "name": mesh_name(sizes), "error": str(e)}
         except Exception as e:  # noqa: BLE001 - one shape failing (e.g. out of memory) must not end the sweep
-            result = {"mesh": sizes, "name": mesh_name(sizes), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            result = {
+                "mesh": sizes,
+                "name": mesh_name(sizes),
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            }
         results.append(result)
         bar.step(mesh_name(sizes))
     bar.close()
-    return {"dry_run": dry_run, "devices": num_devices, "platform": devices[0].platform, "jax": jax.__version__,
-            "hbm_gb": hbm_gb, "a2a_model": a2a if dry_run else "native",
-            "batch_size": config.train.batch_size, "seq_len": config.train.seq_len,
-            "method": __doc__.split("--dry-run:", 1)[1].split("Output:", 1)[0].strip() if dry_run else None,
-            "results": rank(results, dry_run),
-            "skipped": [{"mesh": s, "name": mesh_name(s), "reason": why} for s, why in skipped]}
+    return {
+        "dry_run": dry_run,
+        "devices": num_devices,
+        "platform": devices[0].platform,
+        "jax": jax.__version__,
+        "hbm_gb": hbm_gb,
+        "a2a_model": a2a if dry_run else "native",
+        "batch_size": config.train.batch_size,
+        "seq_len": config.train.seq_len,
+        "method": __doc__.split("--dry-run:", 1)[1].split("Output:", 1)[0].strip() if dry_run else None,
+        "results": rank(results, dry_run),
+        "skipped": [{"mesh": s, "name": mesh_name(s), "reason": why} for s, why in skipped],
+    }
 
 
 @main_guard
@@ -620,15 +718,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("python -m maxmoe.sweep", __doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=None, help="device count (dry run: fake CPU devices)")
     parser.add_argument("--dry-run", action="store_true", help="compile on fake CPU devices; memory and bytes")
-    parser.add_argument("--mesh", action="append", default=[], metavar="data=A,expert=B,tensor=C",
-                        help="only these shapes (repeatable)")
+    parser.add_argument(
+        "--mesh", action="append", default=[], metavar="data=A,expert=B,tensor=C", help="only these shapes (repeatable)"
+    )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="bar charts per shape (needs matplotlib)")
     parser.add_argument("--hbm-gb", type=float, default=141.0, help="per-device memory for `fits` (GB, 1e9 B)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per shape (real devices)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (real devices)")
-    parser.add_argument("--a2a", choices=("proxy", "emulate"), default="proxy",
-                        help="dry run: ragged all-to-all as a native-shaped stand-in or as the CPU emulation")
+    parser.add_argument(
+        "--a2a",
+        choices=("proxy", "emulate"),
+        default="proxy",
+        help="dry run: ragged all-to-all as a native-shaped stand-in or as the CPU emulation",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if not args.config:
@@ -642,8 +745,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices is None and meshes:
         args.devices = math.prod(meshes[0].values())
     start = time.perf_counter()
-    report = sweep(config, args.devices, args.dry_run, meshes, args.hbm_gb, args.steps, args.warmup, args.a2a,
-                   progress=not args.no_progress)
+    report = sweep(
+        config,
+        args.devices,
+        args.dry_run,
+        meshes,
+        args.hbm_gb,
+        args.steps,
+        args.warmup,
+        args.a2a,
+        progress=not args.no_progress,
+    )
     report["wall_s"] = time.perf_counter() - start
     report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     print(format_table(report["results"], args.dry_run))
@@ -653,9 +765,11 @@ def main(argv: list[str] | None = None) -> int:
     for n in notes:
         print(f"note: {n}")
     if args.dry_run:
-        print("GB = 1e9, MB = 1e6 bytes per device; wire = bytes each device sends per step (ring factors, loops x trip count); "
-              "x-dom = of which in collectives spanning scale-up domains; AR/AG/RS = all-reduce/all-gather/reduce-scatter; "
-              "TFLOP = model FLOPs per device per step")
+        print(
+            "GB = 1e9, MB = 1e6 bytes per device; wire = bytes each device sends per step (ring factors, loops x trip count); "
+            "x-dom = of which in collectives spanning scale-up domains; AR/AG/RS = all-reduce/all-gather/reduce-scatter; "
+            "TFLOP = model FLOPs per device per step"
+        )
     print(f"{len(report['results'])} shapes in {report['wall_s']:.0f}s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

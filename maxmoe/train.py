@@ -24,8 +24,9 @@ def set_host_device_count(count: int) -> None:
     """Ask the CPU backend for `count` devices; must run before jax starts a backend."""
     if count <= 0:
         return
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
     import jax
 
@@ -77,12 +78,14 @@ def train(config: Config) -> int:
         devices = layout.mesh.size
 
         # -- data ------------------------------------------------------------------------------
-        train_data = data.make_dataset(config, split="train", process_index=jax.process_index(),
-                                       process_count=jax.process_count())
+        train_data = data.make_dataset(
+            config, split="train", process_index=jax.process_index(), process_count=jax.process_count()
+        )
 
         def to_device(local_batch):
-            return jax.make_array_from_process_local_data(layout.sharding(("batch", None)),
-                                                          np.asarray(local_batch, np.int32))
+            return jax.make_array_from_process_local_data(
+                layout.sharding(("batch", None)), np.asarray(local_batch, np.int32)
+            )
 
         # -- state: init or restore; the compiled steps ----------------------------------------
         stop = StopSignal()  # from here on, SIGTERM/SIGINT mean "save and stop after this step"
@@ -100,9 +103,12 @@ def train(config: Config) -> int:
         train_step, eval_step = programs.train_step, programs.eval_step
 
         def evaluate(state) -> float:
-            losses = [eval_step(state.params, state.router, to_device(b))
-                      for b in data.make_dataset(config, split="eval", process_index=jax.process_index(),
-                                                 process_count=jax.process_count())]
+            losses = [
+                eval_step(state.params, state.router, to_device(b))
+                for b in data.make_dataset(
+                    config, split="eval", process_index=jax.process_index(), process_count=jax.process_count()
+                )
+            ]
             return float(np.mean(jax.device_get(losses)))
 
         # -- loop ------------------------------------------------------------------------------
@@ -111,15 +117,23 @@ def train(config: Config) -> int:
         flops_token = flops_per_token(config.model, t.seq_len)
         peak = config.run.peak_tflops or peak_tflops(jax.devices()[0].device_kind)
         schedule = learning_rate_schedule(t)
-        logger = MetricsLogger(run_dir, enabled=is_main, total_steps=t.steps, start_step=start,
-                               tensorboard=config.run.tensorboard, progress=config.run.progress)
+        logger = MetricsLogger(
+            run_dir,
+            enabled=is_main,
+            total_steps=t.steps,
+            start_step=start,
+            tensorboard=config.run.tensorboard,
+            progress=config.run.progress,
+        )
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(config.to_yaml())
             xla_flags.write_effective(run_dir, flags)
             shape = " x ".join(f"{k}={v}" for k, v in layout.shape.items())
-            logger.message(f"maxmoe: {devices} {jax.devices()[0].platform} device(s), mesh {shape}, "
-                           f"{train_data.description}, steps {start}->{t.steps}")
+            logger.message(
+                f"maxmoe: {devices} {jax.devices()[0].platform} device(s), mesh {shape}, "
+                f"{train_data.description}, steps {start}->{t.steps}"
+            )
         profile = config.run.profile_steps
         last_time, last_step, pending = time.perf_counter(), start, None
         step = start
@@ -142,12 +156,21 @@ def train(config: Config) -> int:
                 last_time, last_step = now, step
                 tokens_per_s = tokens_per_step / step_time
                 per_device = tokens_per_s / devices
-                logger.log({"step": step, **{k: host[k] for k in ("loss", "lm_loss", "mtp_loss", "grad_norm")},
-                            "lr": float(schedule(step - 1)), "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                            "tflops_per_device": per_device * flops_token / 1e12,
-                            "mfu": mfu(per_device, flops_token, peak),
-                            "moe_imbalance": host["moe_imbalance"], "dropped_frac": host["dropped_frac"],
-                            "seq_aux": host["seq_aux"], "skipped_steps": host["skipped"]})
+                logger.log(
+                    {
+                        "step": step,
+                        **{k: host[k] for k in ("loss", "lm_loss", "mtp_loss", "grad_norm")},
+                        "lr": float(schedule(step - 1)),
+                        "tokens_per_s": tokens_per_s,
+                        "step_time_s": step_time,
+                        "tflops_per_device": per_device * flops_token / 1e12,
+                        "mfu": mfu(per_device, flops_token, peak),
+                        "moe_imbalance": host["moe_imbalance"],
+                        "dropped_frac": host["dropped_frac"],
+                        "seq_aux": host["seq_aux"],
+                        "skipped_steps": host["skipped"],
+                    }
+                )
             if step % t.eval_every == 0 or step == t.steps:
                 logger.log({"step": step, "eval_loss": evaluate(state)})
                 last_time = time.perf_counter()  # evaluation is not training time
@@ -158,9 +181,12 @@ def train(config: Config) -> int:
                 ckpt.close()
                 logger.close()
                 if is_main:
-                    print(f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or gradient "
-                          f"norm and were skipped; the last good parameters are saved as step {step} in "
-                          f"{ckpt.directory}", file=sys.stderr)
+                    print(
+                        f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or gradient "
+                        f"norm and were skipped; the last good parameters are saved as step {step} in "
+                        f"{ckpt.directory}",
+                        file=sys.stderr,
+                    )
                 return 1
             pending = metrics["bad_steps"]
             ckpt.save(step, state, train_data.get_state(), force=step == t.steps or stop.requested is not None)

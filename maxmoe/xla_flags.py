@@ -55,54 +55,79 @@ _COMBINE_BYTES = {"h100": 256 * MIB, "h200": 512 * MIB, "b200": 512 * MIB, "gb20
 def _overlap_flags(combine_bytes: int) -> list[tuple[str, str]]:
     """Flags every GPU profile shares: scheduling and pipelining of the collectives."""
     return [
-        ("--xla_gpu_enable_latency_hiding_scheduler=true",
-         "schedule async collectives early and their waits late so they run under compute"),
-        ("--xla_gpu_enable_highest_priority_async_stream=true",
-         "give the collective stream priority so NCCL kernels are not starved by GEMMs"),
-        ("--xla_gpu_enable_while_loop_double_buffering=true",
-         "unroll the scanned MoE stack by two so layer i+1's collectives can overlap layer i"),
-        ("--xla_gpu_enable_pipelined_all_gather=true",
-         "FSDP: prefetch the next layer's weight all-gather during this layer's compute"),
-        ("--xla_gpu_enable_pipelined_reduce_scatter=true",
-         "FSDP: reduce-scatter a layer's gradients while the backward pass of the next runs"),
-        ("--xla_gpu_enable_pipelined_all_reduce=true",
-         "without FSDP: same overlap for the gradient all-reduce over data"),
-        (f"--xla_gpu_all_gather_combine_threshold_bytes={combine_bytes}",
-         "merge a layer's weight gathers into one collective (size: see _COMBINE_BYTES)"),
-        (f"--xla_gpu_reduce_scatter_combine_threshold_bytes={combine_bytes}",
-         "merge a layer's gradient reduce-scatters into one collective"),
-        (f"--xla_gpu_all_reduce_combine_threshold_bytes={combine_bytes}",
-         "merge a layer's gradient all-reduces into one collective"),
-        ("--xla_gpu_enable_all_gather_combine_by_dim=false",
-         "let gathers along different dimensions combine (layer weights are gathered on embed, "
-         "which is not the same dimension in every weight)"),
-        ("--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
-         "same for gradient reduce-scatters"),
+        (
+            "--xla_gpu_enable_latency_hiding_scheduler=true",
+            "schedule async collectives early and their waits late so they run under compute",
+        ),
+        (
+            "--xla_gpu_enable_highest_priority_async_stream=true",
+            "give the collective stream priority so NCCL kernels are not starved by GEMMs",
+        ),
+        (
+            "--xla_gpu_enable_while_loop_double_buffering=true",
+            "unroll the scanned MoE stack by two so layer i+1's collectives can overlap layer i",
+        ),
+        (
+            "--xla_gpu_enable_pipelined_all_gather=true",
+            "FSDP: prefetch the next layer's weight all-gather during this layer's compute",
+        ),
+        (
+            "--xla_gpu_enable_pipelined_reduce_scatter=true",
+            "FSDP: reduce-scatter a layer's gradients while the backward pass of the next runs",
+        ),
+        (
+            "--xla_gpu_enable_pipelined_all_reduce=true",
+            "without FSDP: same overlap for the gradient all-reduce over data",
+        ),
+        (
+            f"--xla_gpu_all_gather_combine_threshold_bytes={combine_bytes}",
+            "merge a layer's weight gathers into one collective (size: see _COMBINE_BYTES)",
+        ),
+        (
+            f"--xla_gpu_reduce_scatter_combine_threshold_bytes={combine_bytes}",
+            "merge a layer's gradient reduce-scatters into one collective",
+        ),
+        (
+            f"--xla_gpu_all_reduce_combine_threshold_bytes={combine_bytes}",
+            "merge a layer's gradient all-reduces into one collective",
+        ),
+        (
+            "--xla_gpu_enable_all_gather_combine_by_dim=false",
+            "let gathers along different dimensions combine (layer weights are gathered on embed, "
+            "which is not the same dimension in every weight)",
+        ),
+        ("--xla_gpu_enable_reduce_scatter_combine_by_dim=false", "same for gradient reduce-scatters"),
     ]
 
 
 def _hopper(name: str) -> list[tuple[str, str]]:
     return _overlap_flags(_COMBINE_BYTES[name]) + [
-        ("--xla_gpu_enable_command_buffer=",
-         "no CUDA graphs: a training step this large amortises launch overhead, and graphs "
-         "cost memory and re-instantiation"),
+        (
+            "--xla_gpu_enable_command_buffer=",
+            "no CUDA graphs: a training step this large amortises launch overhead, and graphs "
+            "cost memory and re-instantiation",
+        ),
     ]
 
 
 def _blackwell(name: str) -> list[tuple[str, str]]:
     return _overlap_flags(_COMBINE_BYTES[name]) + [
-        ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",
-         "Blackwell kernels are short enough that launch overhead shows: graph fusions and "
-         "custom calls (NVIDIA's Blackwell guidance), keep collectives and cuBLAS outside"),
+        (
+            "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",
+            "Blackwell kernels are short enough that launch overhead shows: graph fusions and "
+            "custom calls (NVIDIA's Blackwell guidance), keep collectives and cuBLAS outside",
+        ),
     ]
 
 
 def _nvl72(name: str) -> list[tuple[str, str]]:
     return _blackwell(name) + [
-        ("--xla_gpu_experimental_parallel_collective_overlap_limit=2",
-         "NVL72: the expert all-to-all (inside the rack, NVLink) and the FSDP / gradient "
-         "collectives over data (between racks, InfiniBand) use different fabrics, so let the "
-         "scheduler keep one of each in flight"),
+        (
+            "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
+            "NVL72: the expert all-to-all (inside the rack, NVLink) and the FSDP / gradient "
+            "collectives over data (between racks, InfiniBand) use different fabrics, so let the "
+            "scheduler keep one of each in flight",
+        ),
     ]
 
 
@@ -127,8 +152,13 @@ def profile_flags(name: str, device_kind: str | None = None) -> list[str]:
 
 
 # Word boundaries keep GB200 from matching B200 and GH200 from matching H200.
-_KIND_PATTERNS = (("gb300", r"\bGB300\b"), ("gb200", r"\bGB200\b"), ("b200", r"\bB200\b"),
-                  ("h200", r"\bH200\b"), ("h100", r"\bH(100|800)\b"))
+_KIND_PATTERNS = (
+    ("gb300", r"\bGB300\b"),
+    ("gb200", r"\bGB200\b"),
+    ("b200", r"\bB200\b"),
+    ("h200", r"\bH200\b"),
+    ("h100", r"\bH(100|800)\b"),
+)
 
 
 def profile_for_device_kind(device_kind: str) -> str | None:
@@ -151,8 +181,13 @@ def detect_gpu_name(timeout_s: float = 10.0) -> str | None:
     if tool is None:
         return None
     try:
-        result = subprocess.run([tool, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                text=True, timeout=timeout_s, check=False)
+        result = subprocess.run(
+            [tool, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     names = [line.strip() for line in result.stdout.splitlines() if line.strip()]
@@ -179,8 +214,11 @@ def resolve_profile(name: str, device_kind: str | None = None) -> str:
         return "none"
     found = profile_for_device_kind(kind)
     if found is None:
-        warnings.warn(f"xla.profile=auto: no XLA flag profile for GPU {kind!r}; using none "
-                      f"(set xla.profile to one of {', '.join(GPU_PROFILES)} to choose one)", stacklevel=2)
+        warnings.warn(
+            f"xla.profile=auto: no XLA flag profile for GPU {kind!r}; using none "
+            f"(set xla.profile to one of {', '.join(GPU_PROFILES)} to choose one)",
+            stacklevel=2,
+        )
         return "none"
     return found
 
@@ -251,9 +289,11 @@ def apply(config: Config, device_kind: str | None = None) -> list[str]:
     composed = compose(existing, profile, list(config.xla.extra_flags))
     if composed.split() != existing.split():
         if backends_initialised():
-            raise UserError(f"XLA flags for xla.profile={config.xla.profile} ({profile}) must be set before JAX "
-                            f"starts its backends; call maxmoe.xla_flags.apply() before any jax computation "
-                            f"(or export XLA_FLAGS, or set xla.profile=none)")
+            raise UserError(
+                f"XLA flags for xla.profile={config.xla.profile} ({profile}) must be set before JAX "
+                f"starts its backends; call maxmoe.xla_flags.apply() before any jax computation "
+                f"(or export XLA_FLAGS, or set xla.profile=none)"
+            )
         os.environ["XLA_FLAGS"] = composed
     return composed.split()
 

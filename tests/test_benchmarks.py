@@ -15,8 +15,14 @@ def _env(tmp_path):
 
 
 def test_gpu_suite_cpu_smoke(tmp_path):
-    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "--cpu-smoke"], cwd=REPO, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_suite.sh", "--cpu-smoke"],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     suite = json.loads((tmp_path / "suite.json").read_text())
     cases = {(row["part"], row["case"]) for row in suite["table"]}
@@ -30,6 +36,12 @@ def test_gpu_suite_cpu_smoke(tmp_path):
 
 
 def test_gpu_suite_rejects_unknown_arguments(tmp_path):
-    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "--bogus"], cwd=REPO, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_suite.sh", "--bogus"],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "usage" in proc.stderr

@@ -39,8 +39,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 8
 # Every job runs on mesh data=8 (one compiled program for all of them) except the resharded resume.
-BASE = ("model.compute_dtype=float32", "data.source=synthetic", "train.log_every=1", "train.batch_size=8",
-        "train.seq_len=32", f"train.steps={STEPS}", "train.eval_every=1000", "run.cpu_devices=8", "mesh.data=8")
+BASE = (
+    "model.compute_dtype=float32",
+    "data.source=synthetic",
+    "train.log_every=1",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    f"train.steps={STEPS}",
+    "train.eval_every=1000",
+    "run.cpu_devices=8",
+    "mesh.data=8",
+)
 MESH_2x2x2 = ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2")
 TIMEOUT = 900
 
@@ -51,10 +60,14 @@ TIMEOUT = 900
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The environment of every job: this checkout on the path, one shared compilation cache."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-                   "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
     environment.pop("XLA_FLAGS", None)  # run.cpu_devices decides the device count of a job
     return environment
 
@@ -64,13 +77,15 @@ def command(run_dir, overrides):
 
 
 def run(env, run_dir, *overrides) -> subprocess.CompletedProcess:
-    return subprocess.run(command(run_dir, overrides), capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=TIMEOUT)
+    return subprocess.run(
+        command(run_dir, overrides), capture_output=True, text=True, env=env, cwd=ROOT, timeout=TIMEOUT
+    )
 
 
 def start(env, run_dir, *overrides) -> subprocess.Popen:
-    return subprocess.Popen(command(run_dir, overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        command(run_dir, overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
 
 
 def ok(result) -> str:
@@ -116,8 +131,11 @@ def copy_run(source, target, keep_steps) -> Path:
 
 
 def snapshot(folder) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+    }
 
 
 def one_error_line(result, *words):
@@ -160,8 +178,12 @@ def read_checkpoint(run_dir, step, *overrides):
     saver._open()  # noqa: SLF001 - a test reads a chosen step, not the latest
     import orbax.checkpoint as ocp
 
-    restored = saver._manager.restore(step, args=ocp.args.Composite(  # noqa: SLF001
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    restored = saver._manager.restore(
+        step,
+        args=ocp.args.Composite(  # noqa: SLF001
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+        ),
+    )
     saver.close()
     return restored["state"], restored["data"]
 
@@ -258,14 +280,15 @@ def test_sigterm_saves_and_the_run_resumes_on_another_mesh(straight, env, tmp_pa
     assert sorted(resumed) == list(range(1, STEPS + 1))
     # fp32 sums in another order on another layout (the same tolerance as the mesh-parity test).
     np.testing.assert_allclose(resumed[stopped + 1], reference[stopped + 1], rtol=1e-4)
-    np.testing.assert_allclose([resumed[s] for s in range(5, STEPS + 1)],
-                               [reference[s] for s in range(5, STEPS + 1)], rtol=1e-4)
+    np.testing.assert_allclose(
+        [resumed[s] for s in range(5, STEPS + 1)], [reference[s] for s in range(5, STEPS + 1)], rtol=1e-4
+    )
 
 
 def _token_only_in(batches, first, elsewhere):
     """A token id (not 0, the MTP pad) in the inputs of batches[first], in no later batch nor `elsewhere`."""
     inputs = [set(np.unique(b[:, :-1]).tolist()) for b in batches]
-    later = set().union(*inputs[first + 1:], *(set(np.unique(b).tolist()) for b in elsewhere))
+    later = set().union(*inputs[first + 1 :], *(set(np.unique(b).tolist()) for b in elsewhere))
     candidates = sorted(inputs[first] - later - {0})
     assert candidates, "no token is unique to that batch; pick another seed"
     return candidates[0]
@@ -280,8 +303,9 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
     token = _token_only_in(batches, first=4, elsewhere=list(data.make_dataset(config, split="eval")))
     state, position = read_checkpoint(straight, 4)
     table = state.params["embed"]["embedding"]
-    poisoned = state.replace(params={**state.params, "embed": {
-        **state.params["embed"], "embedding": table.at[token].set(jnp.nan)}})
+    poisoned = state.replace(
+        params={**state.params, "embed": {**state.params["embed"], "embedding": table.at[token].set(jnp.nan)}}
+    )
     saver = checkpoint.Checkpointer(config, tmp_path / "run", is_main=True)
     saver.save(4, poisoned, position, force=True)
     saver.close()
@@ -295,12 +319,15 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
     after_5, _ = read_checkpoint(tmp_path / "run", 5)
     after_6, _ = read_checkpoint(tmp_path / "run", 6)
     # The skipped update leaves everything but the loop-step counter as it was.
-    assert_trees_equal((after_5.params, after_5.router, after_5.opt_state, after_5.step),
-                       (poisoned.params, poisoned.router, poisoned.opt_state, poisoned.step + 1))
+    assert_trees_equal(
+        (after_5.params, after_5.router, after_5.opt_state, after_5.step),
+        (poisoned.params, poisoned.router, poisoned.opt_state, poisoned.step + 1),
+    )
     assert (int(after_5.bad_steps), int(after_5.skipped)) == (1, 1)
     assert int(after_6.step) == int(poisoned.step) + 2 and (int(after_6.bad_steps), int(after_6.skipped)) == (0, 1)
-    moved = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b, equal_nan=True),
-                                         after_6.params, after_5.params))
+    moved = jax.tree.leaves(
+        jax.tree.map(lambda a, b: not np.array_equal(a, b, equal_nan=True), after_6.params, after_5.params)
+    )
     assert all(moved)
     untouched = np.delete(np.asarray(after_6.params["embed"]["embedding"]), token, axis=0)
     assert np.isfinite(untouched).all()
@@ -318,8 +345,10 @@ def test_consecutive_bad_steps_stop_the_run_with_one_line_and_a_checkpoint(strai
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     # Steps 1 and 2 are bad; the loop notices while step 3 is in flight and saves it.
-    assert lines[0] == (f"maxmoe: stopping: 2 consecutive steps had a non-finite loss or gradient norm and were "
-                        f"skipped; the last good parameters are saved as step 3 in {tmp_path / 'run' / 'checkpoints'}")
+    assert lines[0] == (
+        f"maxmoe: stopping: 2 consecutive steps had a non-finite loss or gradient norm and were "
+        f"skipped; the last good parameters are saved as step 3 in {tmp_path / 'run' / 'checkpoints'}"
+    )
     assert complete_steps(tmp_path / "run") == [3]
     assert [x["skipped_steps"] for x in records(tmp_path / "run")] == [1, 2, 3]
     saved, position = read_checkpoint(tmp_path / "run", 3)
@@ -335,13 +364,15 @@ def test_load_params_restores_onto_another_mesh(straight, tmp_path):
     optimizer = make_optimizer(config.train)
     boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0), boxed=True))
     shardings = layout.tree_shardings(boxed)
-    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          step_lib.unbox(boxed), shardings)
+    target = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), step_lib.unbox(boxed), shardings
+    )
     loaded = checkpoint.load_params(str(straight), target)
     reference, _ = read_checkpoint(straight, 8)
     assert_trees_equal(loaded, {"params": reference.params, "router": reference.router})
-    for array, sharding in zip(jax.tree.leaves(loaded), jax.tree.leaves({"params": shardings.params,
-                                                                          "router": shardings.router})):
+    for array, sharding in zip(
+        jax.tree.leaves(loaded), jax.tree.leaves({"params": shardings.params, "router": shardings.router})
+    ):
         assert array.sharding.is_equivalent_to(sharding, array.ndim)
     assert any(len(a.sharding.device_set) == 8 and not a.sharding.is_fully_replicated for a in jax.tree.leaves(loaded))
 
@@ -361,13 +392,13 @@ def test_a_run_dir_that_cannot_be_resumed_exits_2_and_touches_nothing(straight, 
         for path in (latest / "state").rglob("*"):
             if path.is_file() and path.parent.name == "d":
                 data_bytes = bytearray(path.read_bytes())
-                data_bytes[len(data_bytes) // 4:] = bytes(b ^ 0x5A for b in data_bytes[len(data_bytes) // 4:])
+                data_bytes[len(data_bytes) // 4 :] = bytes(b ^ 0x5A for b in data_bytes[len(data_bytes) // 4 :])
                 path.write_bytes(bytes(data_bytes))
         words.append("cannot be read")
     elif case == "truncated":
         for path in latest.rglob("*"):
             if path.is_file():
-                path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+                path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
         words.append("cannot be read")
     else:
         overrides = ["model.hidden_size=32"]

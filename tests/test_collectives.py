@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from maxmoe.parallel.collectives import has_native_ragged_all_to_all, ragged_all_to_all
 from maxmoe.parallel.grouped_matmul import grouped_matmul
@@ -23,8 +24,7 @@ COMM_AXIS = "expert"
 # NumPy model of ragged_all_to_all for one group of P peers.
 
 
-def numpy_ragged_all_to_all(operands, outputs, input_offsets, send_sizes,
-                            output_offsets, recv_sizes):
+def numpy_ragged_all_to_all(operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes):
     """Per-peer lists in, per-peer results out; follows the jax docstring pseudocode."""
     num_peers = len(operands)
     num_slices = len(input_offsets[0])
@@ -37,25 +37,22 @@ def numpy_ragged_all_to_all(operands, outputs, input_offsets, send_sizes,
             j = src * slices_per_peer + i % slices_per_peer
             assert recv_sizes[dst][j] == send_sizes[src][i]
             start, size = output_offsets[src][i], recv_sizes[dst][j]
-            rows = operands[src][input_offsets[src][i]:input_offsets[src][i] + size]
-            results[dst][start:start + size] = rows
+            rows = operands[src][input_offsets[src][i] : input_offsets[src][i] + size]
+            results[dst][start : start + size] = rows
     return results
 
 
-def numpy_operand_grad(results, input_offsets, send_sizes, output_offsets,
-                       num_operand_rows):
+def numpy_operand_grad(results, input_offsets, send_sizes, output_offsets, num_operand_rows):
     """d sum(results**2) / d operand: each sent row receives 2 * the row it became."""
     num_peers = len(results)
     num_slices = len(input_offsets[0])
     slices_per_peer = num_slices // num_peers
-    grads = [np.zeros((num_operand_rows,) + results[0].shape[1:], results[0].dtype)
-             for _ in range(num_peers)]
+    grads = [np.zeros((num_operand_rows,) + results[0].shape[1:], results[0].dtype) for _ in range(num_peers)]
     for src in range(num_peers):
         for i in range(num_slices):
             dst = i // slices_per_peer
-            size, start_in, start_out = (send_sizes[src][i], input_offsets[src][i],
-                                         output_offsets[src][i])
-            grads[src][start_in:start_in + size] += 2 * results[dst][start_out:start_out + size]
+            size, start_in, start_out = (send_sizes[src][i], input_offsets[src][i], output_offsets[src][i])
+            grads[src][start_in : start_in + size] += 2 * results[dst][start_out : start_out + size]
     return grads
 
 
@@ -80,13 +77,13 @@ def _send_sizes(rng, scenario, num_peers, num_slices):
     elif scenario == "skewed":
         # Most traffic goes to the last peer, as with a hot expert.
         sizes = rng.integers(0, 2, size=(num_peers, num_slices))
-        sizes[:, -(num_slices // num_peers):] += rng.integers(8, 20, size=(num_peers, 1))
+        sizes[:, -(num_slices // num_peers) :] += rng.integers(8, 20, size=(num_peers, 1))
     elif scenario == "silent_shards":
         # Peer 0 sends nothing and peer 1 receives nothing.
         sizes = rng.integers(1, 5, size=(num_peers, num_slices))
         sizes[0, :] = 0
         slices_per_peer = num_slices // num_peers
-        sizes[:, slices_per_peer:2 * slices_per_peer] = 0
+        sizes[:, slices_per_peer : 2 * slices_per_peer] = 0
     elif scenario == "nothing_sent":
         sizes = np.zeros((num_peers, num_slices), np.int64)
     else:
@@ -106,8 +103,7 @@ def make_case(seed, scenario, num_groups, num_peers, slices_per_peer, trailing_s
     def recv_sizes_of(send):
         # recv[dst][src*spp + s] = send[src][dst*spp + s]
         recv = np.zeros_like(send)
-        for src, dst, s in itertools.product(range(num_peers), range(num_peers),
-                                             range(slices_per_peer)):
+        for src, dst, s in itertools.product(range(num_peers), range(num_peers), range(slices_per_peer)):
             recv[dst, src * slices_per_peer + s] = send[src, dst * slices_per_peer + s]
         return recv
 
@@ -117,25 +113,20 @@ def make_case(seed, scenario, num_groups, num_peers, slices_per_peer, trailing_s
     num_operand_rows = int(max(s.sum(axis=1).max() for s in sends)) + 5
     num_output_rows = int(max(r.sum(axis=1).max() for r in recvs)) + 3
 
-    case = {k: [] for k in ("operand", "output", "input_offsets", "send_sizes",
-                            "output_offsets", "recv_sizes")}
+    case = {k: [] for k in ("operand", "output", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")}
     for send, recv in zip(sends, recvs):
         # Where each receiver puts each incoming slice, in receiver slice order.
-        recv_offsets = np.stack([_random_layout(rng, recv[dst], num_output_rows)
-                                 for dst in range(num_peers)])
+        recv_offsets = np.stack([_random_layout(rng, recv[dst], num_output_rows) for dst in range(num_peers)])
         output_offsets = np.zeros_like(send)
-        for src, dst, s in itertools.product(range(num_peers), range(num_peers),
-                                             range(slices_per_peer)):
-            output_offsets[src, dst * slices_per_peer + s] = (
-                recv_offsets[dst, src * slices_per_peer + s])
-        case["operand"].append([
-            rng.standard_normal((num_operand_rows,) + trailing_shape).astype(np.float32)
-            for _ in range(num_peers)])
-        case["output"].append([
-            rng.standard_normal((num_output_rows,) + trailing_shape).astype(np.float32)
-            for _ in range(num_peers)])
-        case["input_offsets"].append([_random_layout(rng, send[src], num_operand_rows)
-                                      for src in range(num_peers)])
+        for src, dst, s in itertools.product(range(num_peers), range(num_peers), range(slices_per_peer)):
+            output_offsets[src, dst * slices_per_peer + s] = recv_offsets[dst, src * slices_per_peer + s]
+        case["operand"].append(
+            [rng.standard_normal((num_operand_rows,) + trailing_shape).astype(np.float32) for _ in range(num_peers)]
+        )
+        case["output"].append(
+            [rng.standard_normal((num_output_rows,) + trailing_shape).astype(np.float32) for _ in range(num_peers)]
+        )
+        case["input_offsets"].append([_random_layout(rng, send[src], num_operand_rows) for src in range(num_peers)])
         case["send_sizes"].append(list(send))
         case["output_offsets"].append(list(output_offsets))
         case["recv_sizes"].append(list(recv))
@@ -150,14 +141,13 @@ def make_case(seed, scenario, num_groups, num_peers, slices_per_peer, trailing_s
 MESH_LAYOUTS = {
     "1d": ((8,), ("expert",), ("expert",)),
     "data_expert": ((2, 4), ("data", "expert"), ("data", "expert")),
-    "data_expert_tensor": ((2, 2, 2), ("data", "expert", "tensor"),
-                           ("data", "expert", "tensor")),
+    "data_expert_tensor": ((2, 2, 2), ("data", "expert", "tensor"), ("data", "expert", "tensor")),
     "tensor_replicated": ((2, 2, 2), ("data", "expert", "tensor"), ("data", "expert")),
 }
 
 
 def _mesh(shape, names):
-    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
 def _group_keys(mesh, sharded_axes):
@@ -206,16 +196,14 @@ def sharded_ragged_all_to_all(mesh, sharded_axes, emulate):
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)
 
 
-ARG_NAMES = ("operand", "output", "input_offsets", "send_sizes", "output_offsets",
-             "recv_sizes")
+ARG_NAMES = ("operand", "output", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
 
 
 def _case_for_layout(layout, scenario, seed, slices_per_peer=1, trailing_shape=(3,)):
     shape, names, sharded_axes = MESH_LAYOUTS[layout]
     mesh = _mesh(shape, names)
     other, keys = _group_keys(mesh, sharded_axes)
-    case = make_case(seed, scenario, len(keys), mesh.shape[COMM_AXIS], slices_per_peer,
-                     trailing_shape)
+    case = make_case(seed, scenario, len(keys), mesh.shape[COMM_AXIS], slices_per_peer, trailing_shape)
     global_args = [jnp.asarray(_to_global(mesh, sharded_axes, case[n])) for n in ARG_NAMES]
     return mesh, sharded_axes, case, global_args
 
@@ -262,8 +250,7 @@ def test_emulation_reproduces_docstring_example():
     sharded_axes = ("data", COMM_AXIS)
     global_args = []
     for n in ARG_NAMES:
-        per_peer = np.array(DOCSTRING_EXAMPLE[n],
-                            np.float32 if n in ("operand", "output") else np.int32)
+        per_peer = np.array(DOCSTRING_EXAMPLE[n], np.float32 if n in ("operand", "output") else np.int32)
         global_args.append(jnp.asarray(np.broadcast_to(per_peer, (4,) + per_peer.shape)))
     got = jax.jit(sharded_ragged_all_to_all(mesh, sharded_axes, True))(*global_args)
     np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(DOCSTRING_RESULT, (4, 2, 4)))
@@ -273,7 +260,8 @@ def test_emulation_reproduces_docstring_example():
 def test_emulation_several_slices_per_peer_and_trailing_dims(layout):
     # K = 2 x axis size: each peer gets two separately placed slices from every sender.
     mesh, sharded_axes, case, global_args = _case_for_layout(
-        layout, "uniform", seed=99, slices_per_peer=2, trailing_shape=(2, 3))
+        layout, "uniform", seed=99, slices_per_peer=2, trailing_shape=(2, 3)
+    )
     got = np.asarray(jax.jit(sharded_ragged_all_to_all(mesh, sharded_axes, True))(*global_args))
     for group, got_peers in enumerate(_from_global(mesh, sharded_axes, got)):
         want = numpy_ragged_all_to_all(*(case[n][group] for n in ARG_NAMES))
@@ -296,13 +284,11 @@ def test_emulation_gradient_matches_numpy(layout, scenario):
     for group in range(len(grad_operand_groups)):
         args = [case[n][group] for n in ARG_NAMES]
         results = numpy_ragged_all_to_all(*args)
-        want_operand = numpy_operand_grad(results, args[2], args[3], args[4],
-                                          args[0][0].shape[0])
+        want_operand = numpy_operand_grad(results, args[2], args[3], args[4], args[0][0].shape[0])
         for g, w in zip(grad_operand_groups[group], want_operand):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
         # Output rows that were overwritten get no gradient; the rest get 2 * value.
-        marked = numpy_ragged_all_to_all(
-            [np.full_like(o, np.nan) for o in args[0]], args[1], *args[2:])
+        marked = numpy_ragged_all_to_all([np.full_like(o, np.nan) for o in args[0]], args[1], *args[2:])
         for g, m in zip(grad_output_groups[group], marked):
             want = np.where(np.isnan(m), 0.0, 2 * m)
             np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
@@ -310,7 +296,7 @@ def test_emulation_gradient_matches_numpy(layout, scenario):
         for src, g in enumerate(grad_operand_groups[group]):
             sent = np.zeros(g.shape[0], bool)
             for start, size in zip(args[2][src], args[3][src]):
-                sent[start:start + size] = True
+                sent[start : start + size] = True
             assert not np.any(g[~sent])
 
 
@@ -342,7 +328,7 @@ def numpy_grouped_matmul(x_MD, w_GDF, group_sizes_G):
     out_MF = np.zeros((x_MD.shape[0], w_GDF.shape[2]), np.float64)
     start = 0
     for g, size in enumerate(group_sizes_G):
-        out_MF[start:start + size] = x_MD[start:start + size].astype(np.float64) @ w_GDF[g]
+        out_MF[start : start + size] = x_MD[start : start + size].astype(np.float64) @ w_GDF[g]
         start += size
     return out_MF
 
@@ -363,11 +349,10 @@ def test_grouped_matmul_backends_match_numpy(case):
     w = rng.standard_normal((4, 8, 5)).astype(np.float32)
     want = numpy_grouped_matmul(x, w, group_sizes)
     for backend in ("ragged_dot", "dense_loop"):
-        got = jax.jit(grouped_matmul, static_argnames="backend")(
-            x, w, group_sizes, backend=backend)
+        got = jax.jit(grouped_matmul, static_argnames="backend")(x, w, group_sizes, backend=backend)
         assert got.dtype == jnp.float32 and got.shape == (16, 5)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0, err_msg=backend)
-        assert not np.any(np.asarray(got)[group_sizes.sum():])
+        assert not np.any(np.asarray(got)[group_sizes.sum() :])
 
 
 @pytest.mark.parametrize("case", ["empty_group", "short_of_rows"])
@@ -388,7 +373,7 @@ def test_grouped_matmul_gradients_agree(case):
     np.testing.assert_allclose(grad_w_ragged, grad_w_dense, atol=1e-5, rtol=0)
     # The empty group's weights and the rows past the sum take no gradient.
     assert not np.any(np.asarray(grad_w_ragged)[1])
-    assert not np.any(np.asarray(grad_x_ragged)[int(group_sizes.sum()):])
+    assert not np.any(np.asarray(grad_x_ragged)[int(group_sizes.sum()) :])
 
 
 def test_grouped_matmul_keeps_input_dtype():
@@ -400,5 +385,4 @@ def test_grouped_matmul_keeps_input_dtype():
 
 def test_grouped_matmul_rejects_unknown_backend():
     with pytest.raises(ValueError, match="'megablox'.*'ragged_dot', 'dense_loop'"):
-        grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.array([2]),
-                       backend="megablox")
+        grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.array([2]), backend="megablox")

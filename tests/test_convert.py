@@ -143,7 +143,9 @@ def test_non_interleaved_rope_is_permuted_into_adjacent_pairs(fixture_tensors, g
     for name, value in fixture_tensors.items():
         if name.endswith("q_b_proj.weight"):
             per_head = value.reshape(heads, nope + rope, -1)
-            tensors[name] = np.concatenate([per_head[:, :nope], per_head[:, nope:][:, half_split]], 1).reshape(value.shape)
+            tensors[name] = np.concatenate([per_head[:, :nope], per_head[:, nope:][:, half_split]], 1).reshape(
+                value.shape
+            )
         elif name.endswith("kv_a_proj_with_mqa.weight"):
             tensors[name] = np.concatenate([value[:lora], value[lora:][half_split]], 0)
     folder = write_hf_folder(tmp_path / "hf", tensors, {"rope_interleave": False})
@@ -158,8 +160,18 @@ def test_fp8_block_scaled_weight_is_dequantised(fixture_tensors, tmp_path):
     weight, scale_inv = fp8.quantize_fp8_blockwise(fixture_tensors[name], block=(32, 8))
     tensors = dict(fixture_tensors)
     tensors[name], tensors[name + "_scale_inv"] = weight, scale_inv
-    folder = write_hf_folder(tmp_path / "hf", tensors, {"quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 8]}})
+    folder = write_hf_folder(
+        tmp_path / "hf",
+        tensors,
+        {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [32, 8],
+            }
+        },
+    )
     reference = fp8.dequantize_fp8_blockwise(weight, scale_inv, block=(32, 8))
     assert not np.array_equal(reference, fixture_tensors[name])  # the quantisation is visible
     _, variables = hf.import_hf(folder)
@@ -169,16 +181,46 @@ def test_fp8_block_scaled_weight_is_dequantised(fixture_tensors, tmp_path):
 
 def test_release_style_config_keys():
     release = {
-        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
-        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
-        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
-        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000, "tie_word_embeddings": False, "attention_bias": False,
-        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
     }
     m = hf.model_config_from_hf(release)
     assert (m.num_layers, m.first_k_dense, m.num_experts, m.num_expert_groups, m.topk_groups) == (61, 3, 256, 8, 4)
@@ -203,17 +245,25 @@ def _rename(tensors):
     return {**tensors, "model.layers.1.mlp.experts.8.up_proj.weight": np.zeros((16, 32), np.float32)}
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (_drop, "tensor model.layers.2.mlp.experts.5.up_proj.weight is missing"),
-    (_reshape, "tensor model.layers.0.self_attn.o_proj.weight has shape [32, 31], expected [32, 32]"),
-    (_rename, "unknown tensor model.layers.1.mlp.experts.8.up_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_drop, "tensor model.layers.2.mlp.experts.5.up_proj.weight is missing"),
+        (_reshape, "tensor model.layers.0.self_attn.o_proj.weight has shape [32, 31], expected [32, 32]"),
+        (_rename, "unknown tensor model.layers.1.mlp.experts.8.up_proj.weight"),
+    ],
+)
 def test_bad_tensors_are_one_line_exit_2(corrupt, message, fixture_tensors, tmp_path):
     folder = write_hf_folder(tmp_path / "hf", corrupt(fixture_tensors))
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "maxmoe.convert", "from-hf", "--hf-dir", str(folder),
-                             "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "maxmoe.convert", "from-hf", "--hf-dir", str(folder), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("maxmoe: error: ")
     assert message in result.stderr
@@ -225,11 +275,29 @@ def test_train_runs_from_imported_weights(imported, tmp_path):
     out = imported[0]
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "maxmoe.train", "--config", str(out / "config.yaml"), f"checkpoint.init_from={out}",
-         "train.steps=2", "data.source=synthetic", f"run.dir={run_dir}", "model.compute_dtype=float32",
-         "train.batch_size=2", "train.seq_len=16", "train.eval_batches=1", "train.warmup_steps=1",
-         "run.cpu_devices=1"],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "maxmoe.train",
+            "--config",
+            str(out / "config.yaml"),
+            f"checkpoint.init_from={out}",
+            "train.steps=2",
+            "data.source=synthetic",
+            f"run.dir={run_dir}",
+            "model.compute_dtype=float32",
+            "train.batch_size=2",
+            "train.seq_len=16",
+            "train.eval_batches=1",
+            "train.warmup_steps=1",
+            "run.cpu_devices=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (run_dir / "config.yaml").is_file()
     shutil.rmtree(run_dir)

@@ -59,8 +59,10 @@ def test_process_slices_concatenate_to_the_global_batch(stdlib_cache, process_co
     for cfg in source_configs(stdlib_cache) + [config("train.eval_batches=3", source="stdlib", cache_dir=stdlib_cache)]:
         for split in ("train", "eval"):
             whole = take(data.make_dataset(cfg, split=split), 3)
-            parts = [take(data.make_dataset(cfg, split=split, process_index=p, process_count=process_count), 3)
-                     for p in range(process_count)]
+            parts = [
+                take(data.make_dataset(cfg, split=split, process_index=p, process_count=process_count), 3)
+                for p in range(process_count)
+            ]
             for step in range(3):
                 np.testing.assert_array_equal(np.concatenate([part[step] for part in parts]), whole[step])
 
@@ -141,8 +143,10 @@ def test_shards_round_trip_through_the_prepare_cli(tmp_path, capsys):
     texts = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i) for i in range(12)]
     pattern = write_corpus(tmp_path / "in", texts)
     out = tmp_path / "tokens"
-    assert data_main(["prepare", "--input", pattern, "--tokenizer", "byte", "--out", str(out),
-                      "--eval-fraction", "0.2"]) == 0
+    assert (
+        data_main(["prepare", "--input", pattern, "--tokenizer", "byte", "--out", str(out), "--eval-fraction", "0.2"])
+        == 0
+    )
     assert "train" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 260 and meta["dtype"] == "uint16"
@@ -170,14 +174,26 @@ def test_prepare_with_a_tokenizer_json(tmp_path):
     tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"]))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     out = tmp_path / "tokens"
-    assert data_main(["prepare", "--input", write_corpus(tmp_path / "in", texts),
-                      "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", str(out)]) == 0
+    assert (
+        data_main(
+            [
+                "prepare",
+                "--input",
+                write_corpus(tmp_path / "in", texts),
+                "--tokenizer",
+                str(tmp_path / "tokenizer.json"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     meta = data.read_meta(out)
     eos = tokenizer.token_to_id("</s>")
     assert meta["eos_id"] == eos and meta["vocab_size"] == tokenizer.get_vocab_size()
     tokens = np.concatenate([data.load_tokens(out, s)[0] for s in ("train", "eval")])
     ends = np.flatnonzero(tokens == eos)
-    first = tokenizer.decode(tokens[:ends[0]].tolist())  # BPE pieces come back space-separated
+    first = tokenizer.decode(tokens[: ends[0]].tolist())  # BPE pieces come back space-separated
     assert "".join(first.split()) in ["".join(text.split()) for text in texts]
     cfg = config("model.vocab_size=80", "train.seq_len=8", source="shards", path=out)
     assert next(data.make_dataset(cfg)).max() < meta["vocab_size"]
@@ -186,10 +202,12 @@ def test_prepare_with_a_tokenizer_json(tmp_path):
 def test_bad_data_raises_one_line_user_errors(tmp_path):
     out = tmp_path / "tokens"
     data_main(["prepare", "--input", write_corpus(tmp_path / "in", ["abc " * 50, "def " * 50]), "--out", str(out)])
-    cases = {"missing folder": config(source="shards", path=tmp_path / "nowhere"),
-             "not a token folder": config(source="shards", path=tmp_path / "in"),
-             "windows too long": config("train.seq_len=5000", source="shards", path=out),
-             "eval fraction": config(source="stdlib", eval_fraction=1.5, cache_dir=tmp_path / "c")}
+    cases = {
+        "missing folder": config(source="shards", path=tmp_path / "nowhere"),
+        "not a token folder": config(source="shards", path=tmp_path / "in"),
+        "windows too long": config("train.seq_len=5000", source="shards", path=out),
+        "eval fraction": config(source="stdlib", eval_fraction=1.5, cache_dir=tmp_path / "c"),
+    }
     for why, cfg in cases.items():
         with pytest.raises(UserError) as error:
             data.make_dataset(cfg)
@@ -197,10 +215,11 @@ def test_bad_data_raises_one_line_user_errors(tmp_path):
     with pytest.raises(UserError, match="not divisible"):
         data.make_dataset(config(source="synthetic"), process_count=3)
     meta = json.loads((out / "meta.json").read_text())
-    for broken, match in [({**meta, "dtype": "float32"}, "dtype"),
-                          ({**meta, "vocab_size": 70000}, "does not fit"),
-                          ({**meta, "splits": {**meta["splits"], "train": {**meta["splits"]["train"], "tokens": 3}}},
-                           "promises")]:
+    for broken, match in [
+        ({**meta, "dtype": "float32"}, "dtype"),
+        ({**meta, "vocab_size": 70000}, "does not fit"),
+        ({**meta, "splits": {**meta["splits"], "train": {**meta["splits"]["train"], "tokens": 3}}}, "promises"),
+    ]:
         (out / "meta.json").write_text(json.dumps(broken))
         with pytest.raises(UserError, match=match):
             data.make_dataset(config(source="shards", path=out))
@@ -215,16 +234,26 @@ def test_bad_data_raises_one_line_user_errors(tmp_path):
     assert not (tmp_path / "e").exists() and not list(tmp_path.glob(".e.tmp-*"))
 
 
-@pytest.mark.parametrize("argv", [["prepare", "--input", "/nonexistent/*.txt", "--out", "D"],
-                                  ["prepare", "--input", "x", "--tokenizer", "/no/tokenizer.json", "--out", "D"],
-                                  ["stats", "--path", "/nonexistent"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prepare", "--input", "/nonexistent/*.txt", "--out", "D"],
+        ["prepare", "--input", "x", "--tokenizer", "/no/tokenizer.json", "--out", "D"],
+        ["stats", "--path", "/nonexistent"],
+    ],
+)
 def test_cli_errors_are_one_line_and_exit_2(tmp_path, argv):
     argv = [str(tmp_path / a) if a == "D" else a for a in argv]
     if argv[2] == "x":
         write_corpus(tmp_path / "in", ["text"])
         argv[2] = str(tmp_path / "in" / "*.txt")
-    result = subprocess.run([sys.executable, "-m", "maxmoe.data", *argv], cwd=REPO, capture_output=True, text=True,
-                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-m", "maxmoe.data", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("maxmoe: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "D").exists()

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig, load_config
 from maxmoe.mesh import build_layout
@@ -27,8 +28,11 @@ from maxmoe.parallel.dispatch import DispatchPlan, local_routed_experts, make_di
 
 STRATEGIES = ("ragged_a2a", "allgather", "capacity")
 MESHES = ((1, 8, 1), (2, 4, 1), (2, 2, 2), (4, 2, 1))
-WEIGHT_SPECS = {"w_gate": P("expert", None, "tensor"), "w_up": P("expert", None, "tensor"),
-                "w_down": P("expert", "tensor", None)}
+WEIGHT_SPECS = {
+    "w_gate": P("expert", None, "tensor"),
+    "w_up": P("expert", None, "tensor"),
+    "w_down": P("expert", "tensor", None),
+}
 # float32, the design's tolerance: strategies sum the same products in other orders.
 TOL = dict(rtol=1e-5, atol=1e-5)
 D, F = 8, 4
@@ -39,8 +43,13 @@ def make_mesh(shape):
 
 
 def make_plan(mesh, strategy, **moe):
-    return make_dispatch_plan(mesh, MoEConfig(dispatch=strategy, **moe), token_axes=("data", "expert"),
-                              weight_specs=WEIGHT_SPECS, platform="cpu")
+    return make_dispatch_plan(
+        mesh,
+        MoEConfig(dispatch=strategy, **moe),
+        token_axes=("data", "expert"),
+        weight_specs=WEIGHT_SPECS,
+        platform="cpu",
+    )
 
 
 def random_problem(seed, b, t, e, k, ids_BTK=None):
@@ -67,8 +76,7 @@ def reference(x, ids, weights, w_gate, w_up, w_down, cotangent, keep=None):
         y, _ = routed_experts(x, ids, weights, w_gate, w_up, w_down, plan=None)
         return jnp.sum(y * cotangent), y
 
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
-        x, weights, w_gate, w_up, w_down)
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, weights, w_gate, w_up, w_down)
     if keep is not None:  # d/dweights of weights * keep
         grads = (grads[0], grads[1] * keep) + grads[2:]
     return y, grads
@@ -80,7 +88,10 @@ def distributed(plan, x, ids, weights, w_gate, w_up, w_down, cotangent, fsdp=Fal
     Tokens are sharded over (data, expert) when the batch divides, else replicated.
     """
     mesh = plan.mesh
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
     tokens = P(("data", "expert")) if x.shape[0] % plan.token_shards == 0 else P()
     embed = "data" if fsdp else None
     x, ids, weights, cotangent = (put(a, tokens) for a in (x, ids, weights, cotangent))
@@ -92,7 +103,8 @@ def distributed(plan, x, ids, weights, w_gate, w_up, w_down, cotangent, fsdp=Fal
         return jnp.sum(y * cotangent), (y, dropped)
 
     (_, (y, dropped)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
-        x, weights, w_gate, w_up, w_down)
+        x, weights, w_gate, w_up, w_down
+    )
     return y, float(dropped), grads
 
 
@@ -142,8 +154,13 @@ def test_expert_mlp_replicated_over_tensor(strategy):
     # F whole on every device of a tensor axis of 2: both tensor ranks compute the same
     # thing and no reduction over tensor may happen (it would double the output).
     specs = {"w_gate": P("expert", None, None), "w_up": P("expert", None, None), "w_down": P("expert", None, None)}
-    plan = make_dispatch_plan(make_mesh((2, 2, 2)), MoEConfig(dispatch=strategy, capacity_factor=4.0),
-                              token_axes=("data", "expert"), weight_specs=specs, platform="cpu")
+    plan = make_dispatch_plan(
+        make_mesh((2, 2, 2)),
+        MoEConfig(dispatch=strategy, capacity_factor=4.0),
+        token_axes=("data", "expert"),
+        weight_specs=specs,
+        platform="cpu",
+    )
     assert plan.tensor_axis is None
     assert_matches(plan, random_problem(11, 8, 4, 8, 2))
 
@@ -208,8 +225,7 @@ def ragged_keep(ids_BTK, mesh_shape, buffer_rows):
             free = buffer_rows
             for source in range(ranks):
                 rows = tokens[d * ranks + source]
-                copies = [(ids_NK[n, j], n, j) for n in rows for j in range(k)
-                          if ids_NK[n, j] // local == receiver]
+                copies = [(ids_NK[n, j], n, j) for n in rows for j in range(k) if ids_NK[n, j] // local == receiver]
                 for _, n, j in sorted(copies, key=lambda c: (c[0], c[1] * k + c[2])):
                     if free > 0:
                         free -= 1
@@ -243,8 +259,7 @@ def test_ragged_a2a_small_buffer_drops_exactly(shape):
     assert plan.buffer_rows(n, 2, 8) == buffer_rows
     keep = ragged_keep(ids, shape, buffer_rows)
     assert 0 < keep.sum() < keep.size
-    assert_matches(plan, random_problem(6, 8, 4, 8, 2, ids_BTK=ids), keep=keep,
-                   dropped_frac=1 - keep.sum() / keep.size)
+    assert_matches(plan, random_problem(6, 8, 4, 8, 2, ids_BTK=ids), keep=keep, dropped_frac=1 - keep.sum() / keep.size)
 
 
 def test_ragged_a2a_buffer_factor_with_balanced_routing_drops_nothing():
@@ -267,8 +282,9 @@ def test_capacity_drops_exactly():
 
 def test_cuda_lowering_uses_native_ragged_all_to_all():
     mesh = make_mesh((2, 2, 2))
-    plan = make_dispatch_plan(mesh, MoEConfig(), token_axes=("data", "expert"), weight_specs=WEIGHT_SPECS,
-                              platform="cuda")
+    plan = make_dispatch_plan(
+        mesh, MoEConfig(), token_axes=("data", "expert"), weight_specs=WEIGHT_SPECS, platform="cuda"
+    )
     assert plan.strategy == "ragged_a2a" and not plan.emulate_ragged_a2a
     x, ids, weights, w_gate, w_up, w_down, cotangent = random_problem(9, 8, 4, 8, 2)
 
@@ -276,8 +292,12 @@ def test_cuda_lowering_uses_native_ragged_all_to_all():
         y, _ = plan.routed_experts(x, ids, weights, w_gate, w_up, w_down)
         return jnp.sum(y * cotangent)
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
-        x, weights, w_gate, w_up, w_down).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        .trace(x, weights, w_gate, w_up, w_down)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert text.count("custom_call @ragged_all_to_all") == 4  # out and back, forward and backward
     # The emulation's signature is a dense all_to_all of [K, M, D] float blocks; the
     # native backward pass only exchanges [K] int32 offsets.
@@ -288,16 +308,24 @@ def test_cuda_lowering_uses_native_ragged_all_to_all():
 
 def test_emulation_forced_and_auto():
     mesh = make_mesh((1, 8, 1))
-    make = lambda emulate, platform: make_dispatch_plan(
-        mesh, MoEConfig(emulate_ragged_a2a=emulate), token_axes="expert", weight_specs=WEIGHT_SPECS,
-        platform=platform)
+
+    def make(emulate, platform):
+        return make_dispatch_plan(
+            mesh,
+            MoEConfig(emulate_ragged_a2a=emulate),
+            token_axes="expert",
+            weight_specs=WEIGHT_SPECS,
+            platform=platform,
+        )
+
     assert make("auto", "cpu").emulate_ragged_a2a and not make("auto", "cuda").emulate_ragged_a2a
     assert make("true", "cuda").emulate_ragged_a2a and not make("false", "cpu").emulate_ragged_a2a
 
 
 def test_build_layout_makes_the_plan():
-    config = load_config(overrides=["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "moe.dispatch=capacity",
-                                    "mesh.fsdp=true"])
+    config = load_config(
+        overrides=["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "moe.dispatch=capacity", "mesh.fsdp=true"]
+    )
     plan = build_layout(config).dispatch_plan
     assert isinstance(plan, DispatchPlan)
     assert (plan.strategy, plan.token_axes, plan.tensor_axis) == ("capacity", ("data", "expert"), "tensor")

@@ -15,8 +15,15 @@ from maxmoe import distributed
 from maxmoe.config import UserError, load_config
 
 REAL_WAIT = distributed.wait_for_coordinator
-LAUNCH_VARS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JOBSET_NAME", "JAX_COORDINATOR_ADDRESS",
-               "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JOB_COMPLETION_INDEX")
+LAUNCH_VARS = (
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "JOBSET_NAME",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "JOB_COMPLETION_INDEX",
+)
 
 
 @pytest.fixture
@@ -28,8 +35,9 @@ def calls(monkeypatch):
     recorded = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: recorded.append(("initialize", kwargs)))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed, "wait_for_coordinator",
-                        lambda address, timeout_s: recorded.append(("wait", address, timeout_s)))
+    monkeypatch.setattr(
+        distributed, "wait_for_coordinator", lambda address, timeout_s: recorded.append(("wait", address, timeout_s))
+    )
     real_update = jax.config.update
 
     def update(name, value):
@@ -46,16 +54,19 @@ def _dist(*overrides):
     return load_config([], list(overrides)).dist
 
 
-@pytest.mark.parametrize("env, launcher", [
-    ({}, None),
-    ({"SLURM_NTASKS": "1"}, None),  # a one-task allocation is a single process
-    ({"SLURM_NTASKS": "288"}, "slurm"),
-    ({"SLURM_NTASKS": "garbage"}, None),
-    ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
-    ({"OMPI_COMM_WORLD_SIZE": "16"}, "openmpi"),
-    ({"JOBSET_NAME": "maxmoe-671b"}, "jobset"),
-    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "env"),
-])
+@pytest.mark.parametrize(
+    "env, launcher",
+    [
+        ({}, None),
+        ({"SLURM_NTASKS": "1"}, None),  # a one-task allocation is a single process
+        ({"SLURM_NTASKS": "288"}, "slurm"),
+        ({"SLURM_NTASKS": "garbage"}, None),
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
+        ({"OMPI_COMM_WORLD_SIZE": "16"}, "openmpi"),
+        ({"JOBSET_NAME": "maxmoe-671b"}, "jobset"),
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "env"),
+    ],
+)
 def test_detect_launch(env, launcher):
     assert distributed.detect_launch(env) == launcher
 
@@ -92,8 +103,15 @@ def test_auto_passes_coordinator_from_environment(calls, monkeypatch):
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "5")
     distributed.initialize(_dist("dist.mode=auto"))
     assert ("wait", "maxmoe-workers-0-0.maxmoe:6666", 300) in calls
-    assert calls[-1] == ("initialize", {"coordinator_address": "maxmoe-workers-0-0.maxmoe:6666",
-                                        "num_processes": 72, "process_id": 5, "initialization_timeout": 300})
+    assert calls[-1] == (
+        "initialize",
+        {
+            "coordinator_address": "maxmoe-workers-0-0.maxmoe:6666",
+            "num_processes": 72,
+            "process_id": 5,
+            "initialization_timeout": 300,
+        },
+    )
     monkeypatch.setenv("JAX_PROCESS_ID", "23")  # an explicit id wins over the pod index
     assert distributed.auto_arguments()["process_id"] == 23
 
@@ -104,22 +122,37 @@ def test_auto_with_partial_environment_lets_jax_fill_the_rest(monkeypatch):
 
 
 def test_explicit_passes_the_config(calls):
-    distributed.initialize(_dist("dist.mode=explicit", "dist.coordinator_address=10.1.2.3:5678",
-                                 "dist.num_processes=4", "dist.process_id=3", "dist.timeout_s=60"))
+    distributed.initialize(
+        _dist(
+            "dist.mode=explicit",
+            "dist.coordinator_address=10.1.2.3:5678",
+            "dist.num_processes=4",
+            "dist.process_id=3",
+            "dist.timeout_s=60",
+        )
+    )
     assert ("wait", "10.1.2.3:5678", 60) in calls  # a worker checks the coordinator first
-    assert calls[-1] == ("initialize", {"coordinator_address": "10.1.2.3:5678", "num_processes": 4,
-                                        "process_id": 3, "initialization_timeout": 60})
+    assert calls[-1] == (
+        "initialize",
+        {"coordinator_address": "10.1.2.3:5678", "num_processes": 4, "process_id": 3, "initialization_timeout": 60},
+    )
 
 
 def test_process_zero_does_not_wait_for_itself(calls):
-    distributed.initialize(_dist("dist.mode=explicit", "dist.coordinator_address=10.1.2.3:5678",
-                                 "dist.num_processes=4", "dist.process_id=0"))
+    distributed.initialize(
+        _dist(
+            "dist.mode=explicit", "dist.coordinator_address=10.1.2.3:5678", "dist.num_processes=4", "dist.process_id=0"
+        )
+    )
     assert not [c for c in calls if c[0] == "wait"]
 
 
 def test_explicit_single_process_needs_no_cpu_collectives(calls):
-    distributed.initialize(_dist("dist.mode=explicit", "dist.coordinator_address=localhost:5678",
-                                 "dist.num_processes=1", "dist.process_id=0"))
+    distributed.initialize(
+        _dist(
+            "dist.mode=explicit", "dist.coordinator_address=localhost:5678", "dist.num_processes=1", "dist.process_id=0"
+        )
+    )
     assert [c[0] for c in calls] == ["initialize"]
 
 
@@ -136,8 +169,15 @@ def test_failure_is_a_one_line_user_error(monkeypatch, calls):
 
     monkeypatch.setattr(jax.distributed, "initialize", refuse)  # e.g. a mismatched process count
     with pytest.raises(UserError) as error:
-        distributed.initialize(_dist("dist.mode=explicit", "dist.coordinator_address=10.9.9.9:1",
-                                     "dist.num_processes=2", "dist.process_id=1", "dist.timeout_s=5"))
+        distributed.initialize(
+            _dist(
+                "dist.mode=explicit",
+                "dist.coordinator_address=10.9.9.9:1",
+                "dist.num_processes=2",
+                "dist.process_id=1",
+                "dist.timeout_s=5",
+            )
+        )
     message = str(error.value)
     assert "\n" not in message
     assert "10.9.9.9:1" in message and "DEADLINE_EXCEEDED: Barrier timed out" in message and "5s" in message
@@ -161,8 +201,15 @@ def test_unreachable_coordinator_is_a_user_error_not_an_abort(calls, monkeypatch
     monkeypatch.setattr(distributed, "wait_for_coordinator", REAL_WAIT)
     port = _free_port()
     with pytest.raises(UserError, match=f"cannot reach the jax.distributed coordinator at 127.0.0.1:{port}"):
-        distributed.initialize(_dist("dist.mode=explicit", f"dist.coordinator_address=127.0.0.1:{port}",
-                                     "dist.num_processes=2", "dist.process_id=1", "dist.timeout_s=1"))
+        distributed.initialize(
+            _dist(
+                "dist.mode=explicit",
+                f"dist.coordinator_address=127.0.0.1:{port}",
+                "dist.num_processes=2",
+                "dist.process_id=1",
+                "dist.timeout_s=1",
+            )
+        )
     assert calls == [("config", "jax_cpu_collectives_implementation", "gloo")]  # never reached initialize
 
 
@@ -199,8 +246,16 @@ def test_two_cpu_processes_really_initialise_and_reduce():
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",) + LAUNCH_VARS}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_PROGRAM, str(port), str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_PROCESS_PROGRAM, str(port), str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     results = sorted(line.split()[1:] for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
     assert all(p.returncode == 0 for p in procs), outputs

@@ -30,23 +30,33 @@ def hand_count(m) -> dict[str, int]:
     head = d * m.vocab_size
     final_norm = d
     if m.q_lora_rank:
-        query = (d * m.q_lora_rank  # q_a_proj
-                 + m.q_lora_rank  # q_a_layernorm
-                 + m.q_lora_rank * h * (m.qk_nope_head_dim + m.qk_rope_head_dim))  # q_b_proj
+        query = (
+            d * m.q_lora_rank  # q_a_proj
+            + m.q_lora_rank  # q_a_layernorm
+            + m.q_lora_rank * h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        )  # q_b_proj
     else:
         query = d * h * (m.qk_nope_head_dim + m.qk_rope_head_dim)  # q_proj
-    attention = (query
-                 + d * (m.kv_lora_rank + m.qk_rope_head_dim)  # kv_a_proj_with_mqa: latent + shared rope key
-                 + m.kv_lora_rank  # kv_a_layernorm
-                 + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)  # kv_b_proj
-                 + h * m.v_head_dim * d)  # o_proj
+    attention = (
+        query
+        + d * (m.kv_lora_rank + m.qk_rope_head_dim)  # kv_a_proj_with_mqa: latent + shared rope key
+        + m.kv_lora_rank  # kv_a_layernorm
+        + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)  # kv_b_proj
+        + h * m.v_head_dim * d
+    )  # o_proj
     layer_norms = 2 * d  # input_layernorm, post_attention_layernorm
     dense_mlp = 3 * d * m.mlp_dim
     expert = 3 * d * m.moe_mlp_dim
     moe = m.num_experts * expert + m.num_shared_experts * expert + d * m.num_experts  # experts, shared, gate
     moe_layers = m.num_layers - m.first_k_dense
-    total = (embedding + head + final_norm + m.num_layers * (attention + layer_norms) + m.first_k_dense * dense_mlp
-             + moe_layers * moe)
+    total = (
+        embedding
+        + head
+        + final_norm
+        + m.num_layers * (attention + layer_norms)
+        + m.first_k_dense * dense_mlp
+        + moe_layers * moe
+    )
     active = total - moe_layers * (m.num_experts - m.experts_per_token) * expert
     # Each MTP depth beyond the shared embedding and head: enorm, hnorm, eh_proj, one MoE layer, its output norm.
     mtp = m.mtp_num_layers * (d + d + 2 * d * d + attention + layer_norms + moe + d)
@@ -55,10 +65,16 @@ def hand_count(m) -> dict[str, int]:
 
 def test_hand_count_671b_architecture_numbers():
     """The hand count, fed the release's numbers written out here, gives the published figures."""
+
     class Release:  # deepseek-ai/DeepSeek-V3 config.json
         vocab_size, hidden_size, num_layers, first_k_dense = V, D, LAYERS, DENSE
-        mlp_dim, moe_mlp_dim, num_experts, num_shared_experts, experts_per_token = (DENSE_MLP, EXPERT_MLP, ROUTED,
-                                                                                     SHARED, TOP_K)
+        mlp_dim, moe_mlp_dim, num_experts, num_shared_experts, experts_per_token = (
+            DENSE_MLP,
+            EXPERT_MLP,
+            ROUTED,
+            SHARED,
+            TOP_K,
+        )
         num_heads, q_lora_rank, kv_lora_rank = HEADS, Q_LORA, KV_LORA
         qk_nope_head_dim, qk_rope_head_dim, v_head_dim = NOPE, ROPE, V_HEAD
         mtp_num_layers = 1
@@ -74,10 +90,15 @@ def test_hand_count_671b_architecture_numbers():
 
 @pytest.fixture(scope="module")
 def info_671b() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "maxmoe.info", "--config", "configs/deepseek_v3_671b.yaml",
-                             "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-m", "maxmoe.info", "--config", "configs/deepseek_v3_671b.yaml", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -87,8 +108,10 @@ def test_info_671b_matches_published_figures(info_671b):
     assert info_671b["params_active"] == pytest.approx(37_552_282_624, rel=5e-4)
     assert info_671b["flops_per_token"] == pytest.approx(2.6e11, rel=0.03)
     assert info_671b["seq_len"] == 4096
-    assert info_671b["params_total"] == hand_count(load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model)[
-        "params_total"]
+    assert (
+        info_671b["params_total"]
+        == hand_count(load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model)["params_total"]
+    )
 
 
 @pytest.mark.smoke
@@ -107,8 +130,13 @@ def test_flops_per_token_hand_count_671b():
     """6 x active matmul params (head in, embedding out) + MTP + the causal attention core."""
     model = load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model
     t = 4096
-    attention = (D * Q_LORA + Q_LORA * HEADS * (NOPE + ROPE) + D * (KV_LORA + ROPE)
-                 + KV_LORA * HEADS * (NOPE + V_HEAD) + HEADS * V_HEAD * D)
+    attention = (
+        D * Q_LORA
+        + Q_LORA * HEADS * (NOPE + ROPE)
+        + D * (KV_LORA + ROPE)
+        + KV_LORA * HEADS * (NOPE + V_HEAD)
+        + HEADS * V_HEAD * D
+    )
     moe_active = (TOP_K + SHARED) * 3 * D * EXPERT_MLP + D * ROUTED
     main = LAYERS * attention + DENSE * 3 * D * DENSE_MLP + (LAYERS - DENSE) * moe_active + D * V
     mtp = 2 * D * D + attention + moe_active + D * V
@@ -122,7 +150,8 @@ def test_tiny_count_params_equals_initialised_params():
     model = load_config([str(REPO / "configs/tiny.yaml")]).model
     # The shapes of a real init, traced without running it (compiling the random init costs ~20 s on CPU).
     variables = jax.eval_shape(
-        lambda: nn.unbox(build_model(model).init(jax.random.key(0), jax.numpy.zeros((2, 16), jax.numpy.int32))))
+        lambda: nn.unbox(build_model(model).init(jax.random.key(0), jax.numpy.zeros((2, 16), jax.numpy.int32)))
+    )
     params = variables["params"]
     main = {k: v for k, v in params.items() if not k.startswith("mtp_")}
     mtp = {k: v for k, v in params.items() if k.startswith("mtp_")}
@@ -132,8 +161,11 @@ def test_tiny_count_params_equals_initialised_params():
     assert got["params_mtp"] == size(mtp)
     assert mtp, "tiny.yaml has one MTP depth"
     # Router biases are state in their own collection, not parameters.
-    assert "router" in variables and size(variables["router"]) == (model.num_layers - model.first_k_dense
-                                                                     + model.mtp_num_layers) * model.num_experts
+    assert (
+        "router" in variables
+        and size(variables["router"])
+        == (model.num_layers - model.first_k_dense + model.mtp_num_layers) * model.num_experts
+    )
     expert = 3 * model.hidden_size * model.moe_mlp_dim
     inactive = (model.num_layers - model.first_k_dense) * (model.num_experts - model.experts_per_token) * expert
     assert got["params_active"] == size(main) - inactive

@@ -25,8 +25,11 @@ def test_cuda_lowering_uses_native_ragged_all_to_all():
     assert counts["ragged_all_to_all"] >= 4, counts
     # The CPU emulation moves float row blocks with all_to_all; the native program moves
     # only int32 offsets that way (the collective's backward needs the peers' offsets).
-    float_all_to_all = [line for line in text.splitlines()
-                        if "all_to_all" in line and "ragged" not in line and re.search(r"x(f32|bf16|f16)>", line)]
+    float_all_to_all = [
+        line
+        for line in text.splitlines()
+        if "all_to_all" in line and "ragged" not in line and re.search(r"x(f32|bf16|f16)>", line)
+    ]
     assert not float_all_to_all, float_all_to_all[:3]
 
 
@@ -39,11 +42,32 @@ def test_cpu_lowering_emulates():
 def test_info_lower_cuda_prints_counts():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run([sys.executable, "-m", "maxmoe.info", "--config", TINY, "run.cpu_devices=8",
-                             "mesh.data=2", "mesh.expert=4", "--lower", "cuda"],
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "maxmoe.info",
+            "--config",
+            TINY,
+            "run.cpu_devices=8",
+            "mesh.data=2",
+            "mesh.expert=4",
+            "--lower",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     counts = dict(line.split(": ") for line in result.stdout.strip().splitlines())
-    assert set(counts) == {"ragged_all_to_all", "all_to_all", "all_gather", "reduce_scatter", "all_reduce",
-                           "collective_permute"}
+    assert set(counts) == {
+        "ragged_all_to_all",
+        "all_to_all",
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+        "collective_permute",
+    }
     assert int(counts["ragged_all_to_all"]) >= 2

@@ -18,8 +18,17 @@ MODEL_FOR_8 = ["model.num_heads=8", "model.vocab_size=256"]
 
 
 def _config(data, expert, tensor, *more):
-    return load_config([], [f"mesh.data={data}", f"mesh.expert={expert}", f"mesh.tensor={tensor}",
-                            f"mesh.scale_up_domain={DOMAIN}", *MODEL_FOR_8, *more])
+    return load_config(
+        [],
+        [
+            f"mesh.data={data}",
+            f"mesh.expert={expert}",
+            f"mesh.tensor={tensor}",
+            f"mesh.scale_up_domain={DOMAIN}",
+            *MODEL_FOR_8,
+            *more,
+        ],
+    )
 
 
 def _domain_of(devices, size):
@@ -97,11 +106,14 @@ def test_default_domain_is_one_per_process():
     assert dict(build_mesh(config).shape) == {"data": 1, "expert": 8, "tensor": 1}
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["mesh.data=-1", "mesh.expert=2", "mesh.tensor=2"], {"data": 2, "expert": 2, "tensor": 2}),
-    (["mesh.data=2", "mesh.expert=-1", "mesh.tensor=1"], {"data": 2, "expert": 4, "tensor": 1}),
-    (["mesh.data=1", "mesh.expert=2", "mesh.tensor=-1"], {"data": 1, "expert": 2, "tensor": 4}),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["mesh.data=-1", "mesh.expert=2", "mesh.tensor=2"], {"data": 2, "expert": 2, "tensor": 2}),
+        (["mesh.data=2", "mesh.expert=-1", "mesh.tensor=1"], {"data": 2, "expert": 4, "tensor": 1}),
+        (["mesh.data=1", "mesh.expert=2", "mesh.tensor=-1"], {"data": 1, "expert": 2, "tensor": 4}),
+    ],
+)
 def test_minus_one_fills_the_remaining_devices(overrides, expected):
     config = load_config([], overrides)
     assert resolve_shape(config, 8) == expected

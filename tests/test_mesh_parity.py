@@ -21,8 +21,13 @@ from maxmoe.training.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-COMMON = ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8", "train.seq_len=32",
-          "train.warmup_steps=0"]
+COMMON = [
+    "model.compute_dtype=float32",
+    "data.source=synthetic",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.warmup_steps=0",
+]
 STEPS = 3
 # Layouts sum gradients and expert outputs in other orders; after three AdamW steps in float32
 # the losses agree to ~1e-6 relative. 1e-4 is the tolerance the parity requirement states.
@@ -30,15 +35,20 @@ STEPS = 3
 
 def batches(config):
     rng = np.random.default_rng(7)
-    return [rng.integers(0, config.model.vocab_size, (config.train.batch_size, config.train.seq_len + 1)).astype(np.int32)
-            for _ in range(STEPS)]
+    return [
+        rng.integers(0, config.model.vocab_size, (config.train.batch_size, config.train.seq_len + 1)).astype(np.int32)
+        for _ in range(STEPS)
+    ]
 
 
 def losses_on(shape, fsdp=False):
     data, expert, tensor = shape
-    config = load_config([TINY], COMMON + [f"mesh.data={data}", f"mesh.expert={expert}", f"mesh.tensor={tensor}",
-                                           f"mesh.fsdp={str(fsdp).lower()}"])
-    layout = build_layout(config, jax.devices()[:data * expert * tensor])
+    config = load_config(
+        [TINY],
+        COMMON
+        + [f"mesh.data={data}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", f"mesh.fsdp={str(fsdp).lower()}"],
+    )
+    layout = build_layout(config, jax.devices()[: data * expert * tensor])
     programs = build_programs(config, layout)
     state = programs.init(jax.random.key(0))
     losses = []
@@ -95,20 +105,45 @@ def test_two_processes_match_one(tmp_path):
     """2 processes x 4 CPU devices (gloo over loopback) against 1 process x 8 devices."""
     import json
 
-    common = [*COMMON, "train.steps=3", "train.log_every=1", "train.eval_every=1000", "mesh.data=2", "mesh.expert=4",
-              "checkpoint.async_save=false"]
+    common = [
+        *COMMON,
+        "train.steps=3",
+        "train.log_every=1",
+        "train.eval_every=1000",
+        "mesh.data=2",
+        "mesh.expert=4",
+        "checkpoint.async_save=false",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     base = [sys.executable, "-m", "maxmoe.train", "--config", TINY, *common]
-    single = subprocess.run(base + [f"run.dir={tmp_path / 'one'}", "run.cpu_devices=8"], env=env,
-                            capture_output=True, text=True, timeout=600)
+    single = subprocess.run(
+        base + [f"run.dir={tmp_path / 'one'}", "run.cpu_devices=8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     port = _free_port()
-    procs = [subprocess.Popen(base + [f"run.dir={tmp_path / 'two'}", "run.cpu_devices=4", "dist.mode=explicit",
-                                      f"dist.coordinator_address=127.0.0.1:{port}", "dist.num_processes=2",
-                                      f"dist.process_id={i}"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            base
+            + [
+                f"run.dir={tmp_path / 'two'}",
+                "run.cpu_devices=4",
+                "dist.mode=explicit",
+                f"dist.coordinator_address=127.0.0.1:{port}",
+                "dist.num_processes=2",
+                f"dist.process_id={i}",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]

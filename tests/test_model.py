@@ -89,18 +89,19 @@ def reference_routing(x_ND, w_router_DE, bias_E, m, margin=1e-4):
         biased = scores[tok] + bias_E
         allowed = np.ones(e, bool)
         if m.num_expert_groups > 1:
-            group_score = np.array([np.sort(biased[g * per_group:(g + 1) * per_group])[-2:].sum()
-                                    for g in range(m.num_expert_groups)])
+            group_score = np.array(
+                [np.sort(biased[g * per_group : (g + 1) * per_group])[-2:].sum() for g in range(m.num_expert_groups)]
+            )
             ranked = np.argsort(-group_score)
             assert group_score[ranked[m.topk_groups - 1]] - group_score[ranked[m.topk_groups]] > margin
             allowed = np.zeros(e, bool)
-            for g in ranked[:m.topk_groups]:
-                allowed[g * per_group:(g + 1) * per_group] = True
+            for g in ranked[: m.topk_groups]:
+                allowed[g * per_group : (g + 1) * per_group] = True
         candidates = np.where(allowed, biased, -np.inf)
         ranked = np.argsort(-candidates)
         if m.experts_per_token < allowed.sum():
             assert candidates[ranked[m.experts_per_token - 1]] - candidates[ranked[m.experts_per_token]] > margin
-        ids = ranked[:m.experts_per_token]
+        ids = ranked[: m.experts_per_token]
         w = scores[tok, ids]
         if m.norm_topk_prob:
             w = w / w.sum()
@@ -120,8 +121,9 @@ def reference_moe(x_BTD, variables, m):
         for tok in range(b * t):
             for slot in range(m.experts_per_token):
                 if ids[tok, slot] == expert:
-                    y[tok] += weights[tok, slot] * np_swiglu(x[tok], p["w_gate"][expert], p["w_up"][expert],
-                                                             p["w_down"][expert])
+                    y[tok] += weights[tok, slot] * np_swiglu(
+                        x[tok], p["w_gate"][expert], p["w_up"][expert], p["w_down"][expert]
+                    )
     if m.num_shared_experts:
         s = p["shared"]
         y += np_swiglu(x, s["w_gate"], s["w_up"], s["w_down"])
@@ -138,20 +140,32 @@ def reference_moe(x_BTD, variables, m):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("overrides", [
-    (),  # tiny.yaml: 8 experts in 4 groups, top-2 groups, top-2 experts, 1 shared
-    ("model.num_experts=16", "model.num_expert_groups=8", "model.topk_groups=3", "model.experts_per_token=3",
-     "model.num_shared_experts=2", "model.norm_topk_prob=false", "model.routed_scaling_factor=1.5"),
-    ("model.num_expert_groups=1", "model.topk_groups=1", "model.experts_per_token=3", "model.num_shared_experts=0"),
-], ids=["tiny", "16experts_8groups", "ungrouped_no_shared"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),  # tiny.yaml: 8 experts in 4 groups, top-2 groups, top-2 experts, 1 shared
+        (
+            "model.num_experts=16",
+            "model.num_expert_groups=8",
+            "model.topk_groups=3",
+            "model.experts_per_token=3",
+            "model.num_shared_experts=2",
+            "model.norm_topk_prob=false",
+            "model.routed_scaling_factor=1.5",
+        ),
+        ("model.num_expert_groups=1", "model.topk_groups=1", "model.experts_per_token=3", "model.num_shared_experts=0"),
+    ],
+    ids=["tiny", "16experts_8groups", "ungrouped_no_shared"],
+)
 def test_moe_matches_loop_over_experts(overrides):
     m = tiny_model(*overrides)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 12, m.hidden_size)).astype(np.float32)
     module = MoE(m)
     shapes = jax.eval_shape(lambda: nn.unbox(module.init(jax.random.key(0), jnp.asarray(x))))
-    variables = random_variables({k: shapes[k] for k in ("params", "router")}, seed=1, std=0.1, bias_std=0.3,
-                                 router_std=0.3)
+    variables = random_variables(
+        {k: shapes[k] for k in ("params", "router")}, seed=1, std=0.1, bias_std=0.3, router_std=0.3
+    )
     e, d, f = m.num_experts, m.hidden_size, m.moe_mlp_dim
     assert shapes["params"]["w_gate"].shape == (e, d, f) and shapes["params"]["w_down"].shape == (e, f, d)
     if m.num_shared_experts:  # the shared experts fused into one SwiGLU of width F x shared
@@ -216,7 +230,7 @@ def reference_mla(x_BTD, positions_BT, params, m):
     magnitude = 1.0  # Hugging Face's YaRN attention_factor on cos and sin
     if m.rope_scaling == "yarn":
         mscale_all = 0.1 * m.rope_mscale_all_dim * math.log(m.rope_factor) + 1.0
-        scale *= mscale_all ** 2
+        scale *= mscale_all**2
         magnitude = (0.1 * m.rope_mscale * math.log(m.rope_factor) + 1.0) / mscale_all
     out = np.zeros_like(x_BTD)
     for batch in range(b):
@@ -240,12 +254,16 @@ def reference_mla(x_BTD, positions_BT, params, m):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("overrides", [
-    (),
-    ("model.q_lora_rank=0",),
-    ("model.rope_scaling=none", "model.num_heads=2", "model.qk_rope_head_dim=16"),
-    ("model.rope_mscale=0.707", "model.rope_factor=40", "model.rope_original_max_position=4"),
-], ids=["q_lora", "no_q_lora", "no_yarn", "yarn_mscale_differs"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("model.q_lora_rank=0",),
+        ("model.rope_scaling=none", "model.num_heads=2", "model.qk_rope_head_dim=16"),
+        ("model.rope_mscale=0.707", "model.rope_factor=40", "model.rope_original_max_position=4"),
+    ],
+    ids=["q_lora", "no_q_lora", "no_yarn", "yarn_mscale_differs"],
+)
 def test_mla_matches_per_head_attention(overrides):
     m = tiny_model(*overrides)
     rng = np.random.default_rng(4)
@@ -256,8 +274,7 @@ def test_mla_matches_per_head_attention(overrides):
     shapes = jax.eval_shape(lambda: nn.unbox(module.init(jax.random.key(0), jnp.asarray(x), jnp.asarray(positions))))
     params = random_variables(shapes["params"], seed=5, std=0.15)
     assert ("w_q_down" in params) == bool(m.q_lora_rank)
-    out = jax.jit(lambda p, x, pos: module.apply({"params": p}, x, pos))(params, jnp.asarray(x),
-                                                                         jnp.asarray(positions))
+    out = jax.jit(lambda p, x, pos: module.apply({"params": p}, x, pos))(params, jnp.asarray(x), jnp.asarray(positions))
     want = reference_mla(x.astype(np.float64), positions, params, m)
     assert np.abs(want).max() > 0.1  # not a vanishing signal
     np.testing.assert_allclose(np.asarray(out), want, **TOL)
@@ -298,7 +315,7 @@ def test_main_logits_are_causal_and_mtp_reads_the_next_token(tiny_setup):
     (logits_b, (mtp_b,)), _ = apply(variables, jnp.asarray(changed))
     logits_a, logits_b, mtp_a, mtp_b = map(np.asarray, (logits_a, logits_b, mtp_a, mtp_b))
     # Main model: positions <= t never see token t+1; position t+1 does.
-    np.testing.assert_allclose(logits_b[:, :t + 1], logits_a[:, :t + 1], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(logits_b[:, : t + 1], logits_a[:, : t + 1], rtol=0, atol=1e-6)
     assert np.abs(logits_b[:, t + 1] - logits_a[:, t + 1]).max() > 1e-3
     # MTP depth 1 at position s sees tokens <= s + 1: position t changes, positions < t do not.
     np.testing.assert_allclose(mtp_b[:, :t], mtp_a[:, :t], rtol=0, atol=1e-6)
@@ -324,8 +341,12 @@ def test_mtp_logits_compose_final_hidden_state_with_next_embedding(tiny_setup):
     next_tokens = np.concatenate([tokens[:, 1:], np.zeros((2, 1), np.int32)], axis=1)
     next_embedding = np.asarray(p["embed"]["embedding"])[next_tokens]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    _, normed = mtp_layer({"params": p["mtp_0"], "router": variables["router"]["mtp_0"]}, final_hidden,
-                          jnp.asarray(next_embedding), positions)
+    _, normed = mtp_layer(
+        {"params": p["mtp_0"], "router": variables["router"]["mtp_0"]},
+        final_hidden,
+        jnp.asarray(next_embedding),
+        positions,
+    )
     want = np.asarray(normed, np.float64) @ np.asarray(p["head"], np.float64)
     np.testing.assert_allclose(np.asarray(mtp)[:, :-1], want[:, :-1], **TOL)
 
@@ -340,13 +361,15 @@ def test_gradients_finite_and_reach_every_parameter(tiny_setup):
     tokens = jnp.asarray(np.random.default_rng(8).integers(0, m.vocab_size, size=(2, 32)), jnp.int32)
 
     def loss_fn(params):
-        (logits, mtp), stats = model.apply({"params": params, "router": variables["router"]}, tokens,
-                                           mutable=["moe_stats"])
+        (logits, mtp), stats = model.apply(
+            {"params": params, "router": variables["router"]}, tokens, mutable=["moe_stats"]
+        )
         loss = cross_entropy(logits[:, :-1], tokens[:, 1:])
         for depth, mtp_logits in enumerate(mtp, start=1):
-            loss = loss + cross_entropy(mtp_logits[:, :-1 - depth], tokens[:, 1 + depth:])
-        seq_aux = [v for path, v in jax.tree_util.tree_leaves_with_path(stats)
-                   if getattr(path[-1], "key", None) == "seq_aux"]
+            loss = loss + cross_entropy(mtp_logits[:, : -1 - depth], tokens[:, 1 + depth :])
+        seq_aux = [
+            v for path, v in jax.tree_util.tree_leaves_with_path(stats) if getattr(path[-1], "key", None) == "seq_aux"
+        ]
         assert len(seq_aux) == 2  # the scanned MoE stack and the MTP block
         return loss + sum(jnp.sum(a) for a in seq_aux), stats
 

@@ -37,15 +37,25 @@ def v3_671b() -> ModelConfig:
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("dim,base,factor,original,fast,slow", [
-    (64, 10000.0, 40.0, 4096, 32.0, 1.0),  # DeepSeek-V3 671B
-    (8, 10000.0, 4.0, 64, 32.0, 1.0),  # tiny.yaml
-    (32, 50000.0, 8.0, 512, 16.0, 2.0),
-    (16, 10000.0, 4.0, 16, 32.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "dim,base,factor,original,fast,slow",
+    [
+        (64, 10000.0, 40.0, 4096, 32.0, 1.0),  # DeepSeek-V3 671B
+        (8, 10000.0, 4.0, 64, 32.0, 1.0),  # tiny.yaml
+        (32, 50000.0, 8.0, 512, 16.0, 2.0),
+        (16, 10000.0, 4.0, 16, 32.0, 1.0),
+    ],
+)
 def test_yarn_inverse_frequencies(dim, base, factor, original, fast, slow):
-    m = ModelConfig(qk_rope_head_dim=dim, rope_theta=base, rope_scaling="yarn", rope_factor=factor,
-                    rope_original_max_position=original, rope_beta_fast=fast, rope_beta_slow=slow)
+    m = ModelConfig(
+        qk_rope_head_dim=dim,
+        rope_theta=base,
+        rope_scaling="yarn",
+        rope_factor=factor,
+        rope_original_max_position=original,
+        rope_beta_fast=fast,
+        rope_beta_slow=slow,
+    )
     want = reference_yarn_frequencies(dim, base, factor, original, fast, slow)
     np.testing.assert_allclose(inverse_frequencies(m), want, rtol=1e-12)
 
@@ -61,8 +71,7 @@ def test_yarn_671b_interpolates_low_frequencies_and_keeps_high_ones():
 
 
 def test_no_scaling_gives_plain_frequencies():
-    m = ModelConfig(qk_nope_head_dim=16, qk_rope_head_dim=16, rope_theta=10000.0, rope_scaling="none",
-                    rope_factor=40.0)
+    m = ModelConfig(qk_nope_head_dim=16, qk_rope_head_dim=16, rope_theta=10000.0, rope_scaling="none", rope_factor=40.0)
     want = np.array([10000.0 ** (-2 * i / 16) for i in range(8)])
     np.testing.assert_allclose(inverse_frequencies(m), want, rtol=1e-12)
     assert attention_scale(m) == pytest.approx((16 + 16) ** -0.5, rel=1e-12)
@@ -78,7 +87,7 @@ def test_mscale_formula():
 
 def test_attention_scale_671b():
     mscale = 0.1 * 1.0 * math.log(40.0) + 1.0
-    assert attention_scale(v3_671b()) == pytest.approx(192 ** -0.5 * mscale ** 2, rel=1e-12)
+    assert attention_scale(v3_671b()) == pytest.approx(192**-0.5 * mscale**2, rel=1e-12)
     assert rotary_magnitude(v3_671b()) == pytest.approx(1.0, rel=1e-12)
 
 
@@ -92,8 +101,9 @@ def test_rotary_magnitude_when_mscales_differ():
 @pytest.mark.smoke
 @pytest.mark.parametrize("scaling", ["none", "yarn"])
 def test_apply_rope_is_complex_multiplication_of_adjacent_pairs(scaling):
-    m = ModelConfig(qk_rope_head_dim=8, rope_theta=10000.0, rope_scaling=scaling, rope_factor=4.0,
-                    rope_original_max_position=16)
+    m = ModelConfig(
+        qk_rope_head_dim=8, rope_theta=10000.0, rope_scaling=scaling, rope_factor=4.0, rope_original_max_position=16
+    )
     rng = np.random.default_rng(0)
     b, t, h, r = 2, 12, 3, 8
     x = rng.normal(size=(b, t, h, r)).astype(np.float32)
@@ -127,4 +137,3 @@ def test_apply_rope_preserves_dtype_and_relative_position():
     assert apply_rope(jnp.asarray(q, jnp.bfloat16), jnp.zeros((1, 1), jnp.int32), m).dtype == jnp.bfloat16
     # Position 0 is the identity.
     np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(q), jnp.zeros((1, 1), jnp.int32), m)), q, **TOL)
-

@@ -22,8 +22,15 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def model_config(**kw) -> ModelConfig:
-    base = dict(num_experts=16, num_expert_groups=4, topk_groups=2, experts_per_token=4,
-                norm_topk_prob=True, routed_scaling_factor=2.5, score_func="sigmoid")
+    base = dict(
+        num_experts=16,
+        num_expert_groups=4,
+        topk_groups=2,
+        experts_per_token=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        score_func="sigmoid",
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -46,14 +53,14 @@ def numpy_route(logits, bias, c: ModelConfig):
         if c.num_expert_groups > 1:
             group_scores = []
             for g in range(c.num_expert_groups):
-                members = np.sort(biased[g * group_size:(g + 1) * group_size])[::-1]
+                members = np.sort(biased[g * group_size : (g + 1) * group_size])[::-1]
                 group_scores.append(members[0] + members[1])
-            kept_groups = np.argsort(-np.asarray(group_scores), kind="stable")[:c.topk_groups]
+            kept_groups = np.argsort(-np.asarray(group_scores), kind="stable")[: c.topk_groups]
             allowed[:] = False
             for g in kept_groups:
-                allowed[g * group_size:(g + 1) * group_size] = True
+                allowed[g * group_size : (g + 1) * group_size] = True
         masked = np.where(allowed, biased, -np.inf)
-        chosen = np.argsort(-masked, kind="stable")[:c.experts_per_token]
+        chosen = np.argsort(-masked, kind="stable")[: c.experts_per_token]
         w = scores[tok, chosen]
         if c.norm_topk_prob:
             w = w / w.sum()
@@ -76,13 +83,16 @@ def random_inputs(seed, n, e, bias_scale=0.3):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(num_experts=8, num_expert_groups=4, topk_groups=2, experts_per_token=2),
-    dict(num_expert_groups=1, topk_groups=1),
-    dict(norm_topk_prob=False, routed_scaling_factor=1.0),
-    dict(score_func="softmax", num_expert_groups=8, topk_groups=3, experts_per_token=3),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(num_experts=8, num_expert_groups=4, topk_groups=2, experts_per_token=2),
+        dict(num_expert_groups=1, topk_groups=1),
+        dict(norm_topk_prob=False, routed_scaling_factor=1.0),
+        dict(score_func="softmax", num_expert_groups=8, topk_groups=3, experts_per_token=3),
+    ],
+)
 def test_route_matches_numpy_reference(kw):
     c = model_config(**kw)
     logits, bias = random_inputs(0, 64, c.num_experts)
@@ -121,8 +131,9 @@ def test_group_limit_ranks_by_top2_sum_not_max():
 
 
 def test_bias_changes_choice_but_not_weights():
-    c = model_config(num_expert_groups=1, topk_groups=1, experts_per_token=2, norm_topk_prob=False,
-                     routed_scaling_factor=1.0)
+    c = model_config(
+        num_expert_groups=1, topk_groups=1, experts_per_token=2, norm_topk_prob=False, routed_scaling_factor=1.0
+    )
     p = np.full((1, 16), 0.1)
     p[0, 0], p[0, 1], p[0, 2] = 0.9, 0.8, 0.2
     logits = np.log(p / (1 - p)).astype(np.float32)
@@ -147,8 +158,9 @@ def test_normalisation_and_scaling():
 
 
 def test_softmax_scores_sum_to_one():
-    c = model_config(score_func="softmax", num_expert_groups=1, topk_groups=1, norm_topk_prob=False,
-                     routed_scaling_factor=1.0)
+    c = model_config(
+        score_func="softmax", num_expert_groups=1, topk_groups=1, norm_topk_prob=False, routed_scaling_factor=1.0
+    )
     logits, _ = random_inputs(3, 16, 16)
     got = route(jnp.asarray(logits), jnp.zeros(16, jnp.float32), c)
     np.testing.assert_allclose(np.asarray(got.scores_NE).sum(-1), np.ones(16), **TOL)

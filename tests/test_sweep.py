@@ -54,7 +54,11 @@ def test_replica_group_formats():
     assert sweep.replica_groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert sweep.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert sweep.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, x", 8) == [
-        [0, 4], [1, 5], [2, 6], [3, 7]]
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
     assert sweep.replica_groups("no groups", 4) == [[0, 1, 2, 3]]
 
 
@@ -96,11 +100,28 @@ def test_native_a2a_model_scales_as_ep_minus_one_over_ep():
 def test_dry_run_all_to_all_bytes_follow_the_expert_axis(tmp_path):
     out = tmp_path / "sweep.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "maxmoe.sweep", "--config", "configs/tiny.yaml", "--devices", "8", "--dry-run",
-           "--mesh", "data=4,expert=2", "--mesh", "data=2,expert=4", "--mesh", "data=1,expert=8",
-           "--json", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "maxmoe.sweep",
+        "--config",
+        "configs/tiny.yaml",
+        "--devices",
+        "8",
+        "--dry-run",
+        "--mesh",
+        "data=4,expert=2",
+        "--mesh",
+        "data=2,expert=4",
+        "--mesh",
+        "data=1,expert=8",
+        "--json",
+        str(out),
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     results = {r["mesh"]["expert"]: r for r in report["results"]}

@@ -22,8 +22,14 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 def run_train(*overrides, timeout=600):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "maxmoe.train", "--config", TINY, *overrides],
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "maxmoe.train", "--config", TINY, *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def read_metrics(run_dir):
@@ -32,14 +38,20 @@ def read_metrics(run_dir):
 
 
 # Small float32 runs on random tokens for in-process step tests.
-SMALL = ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8", "train.seq_len=32",
-         "train.warmup_steps=0"]
+SMALL = [
+    "model.compute_dtype=float32",
+    "data.source=synthetic",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.warmup_steps=0",
+]
 
 
 def fixed_batch(config, seed=0):
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.integers(0, config.model.vocab_size,
-                                    (config.train.batch_size, config.train.seq_len + 1)), jnp.int32)
+    return jnp.asarray(
+        rng.integers(0, config.model.vocab_size, (config.train.batch_size, config.train.seq_len + 1)), jnp.int32
+    )
 
 
 @pytest.mark.smoke
@@ -81,8 +93,17 @@ def test_router_bias_moves_toward_balance():
 
 def test_learning_rate_schedules():
     for schedule in ("cosine", "wsd", "constant"):
-        config = load_config([TINY], [f"train.schedule={schedule}", "train.steps=100", "train.warmup_steps=10",
-                                      "train.lr=1.0", "train.min_lr_ratio=0.1", "train.decay_fraction=0.2"])
+        config = load_config(
+            [TINY],
+            [
+                f"train.schedule={schedule}",
+                "train.steps=100",
+                "train.warmup_steps=10",
+                "train.lr=1.0",
+                "train.min_lr_ratio=0.1",
+                "train.decay_fraction=0.2",
+            ],
+        )
         lr = learning_rate_schedule(config.train)
         assert float(lr(0)) == pytest.approx(0.1)
         assert float(lr(9)) == pytest.approx(1.0)
@@ -110,11 +131,14 @@ def test_grad_accumulation_matches_one_batch():
     np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-4)
 
 
-@pytest.mark.parametrize("override, words", [
-    ("train.steps=-1", "train.steps"),
-    ("data.source=nowhere", "data.source"),
-    ("data.source=shards", "data.path"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.steps=-1", "train.steps"),
+        ("data.source=nowhere", "data.source"),
+        ("data.source=shards", "data.path"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tmp_path, override, words):
     result = run_train(f"run.dir={tmp_path / 'run'}", override, timeout=120)
     assert result.returncode == 2, result.stderr
@@ -124,8 +148,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, override, words):
 
 
 def test_missing_shards_folder_exits_2(tmp_path):
-    result = run_train(f"run.dir={tmp_path / 'run'}", "data.source=shards", f"data.path={tmp_path / 'missing'}",
-                       timeout=120)
+    result = run_train(
+        f"run.dir={tmp_path / 'run'}", "data.source=shards", f"data.path={tmp_path / 'missing'}", timeout=120
+    )
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
@@ -133,11 +158,20 @@ def test_missing_shards_folder_exits_2(tmp_path):
 @pytest.mark.slow
 def test_mesh_run_matches_single_device_run(tmp_path):
     common = ["model.compute_dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=1000"]
-    single = run_train(f"run.dir={tmp_path / 'one'}", "run.cpu_devices=1", "mesh.data=1", "mesh.expert=1",
-                       "mesh.tensor=1", *common)
+    single = run_train(
+        f"run.dir={tmp_path / 'one'}", "run.cpu_devices=1", "mesh.data=1", "mesh.expert=1", "mesh.tensor=1", *common
+    )
     assert single.returncode == 0, single.stderr[-3000:]
-    mesh = run_train(f"run.dir={tmp_path / 'mesh'}", "run.cpu_devices=8", "mesh.data=2", "mesh.expert=2",
-                     "mesh.tensor=2", "run.tensorboard=true", "run.profile_steps=[1,2]", *common)
+    mesh = run_train(
+        f"run.dir={tmp_path / 'mesh'}",
+        "run.cpu_devices=8",
+        "mesh.data=2",
+        "mesh.expert=2",
+        "mesh.tensor=2",
+        "run.tensorboard=true",
+        "run.profile_steps=[1,2]",
+        *common,
+    )
     assert mesh.returncode == 0, mesh.stderr[-3000:]
     assert list((tmp_path / "mesh" / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / "mesh" / "profile").rglob("*.xplane.pb"))

@@ -17,8 +17,9 @@ _TINY_JIT = "import jax, jax.numpy as jnp; assert float(jax.jit(lambda x: 2 * x)
 def _start_xla(flags: list[str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-    return subprocess.Popen([sys.executable, "-c", _TINY_JIT], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _TINY_JIT], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def test_every_gpu_profile_flag_is_accepted_by_xla():
@@ -95,10 +96,19 @@ def test_bad_extra_flag_is_a_config_error():
         xla_flags.compose("", "none", ["xla_gpu_foo=1"])
 
 
-@pytest.mark.parametrize("kind, profile", [
-    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H800", "h100"), ("NVIDIA H200", "h200"),
-    ("NVIDIA B200", "b200"), ("NVIDIA GB200", "gb200"), ("NVIDIA GB300", "gb300"), ("cpu", "none"), ("", "none"),
-])
+@pytest.mark.parametrize(
+    "kind, profile",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H800", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GB200", "gb200"),
+        ("NVIDIA GB300", "gb300"),
+        ("cpu", "none"),
+        ("", "none"),
+    ],
+)
 def test_auto_picks_by_device_kind(kind, profile):
     assert xla_flags.resolve_profile("auto", kind) == profile
 

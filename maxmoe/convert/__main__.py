@@ -23,8 +23,12 @@ def build_parser() -> _Parser:
     importer = commands.add_parser("from-hf", help="Hugging Face folder -> maxmoe checkpoint")
     importer.add_argument("--hf-dir", required=True, help="folder with config.json and safetensors")
     importer.add_argument("--out", required=True, help="new folder for the maxmoe checkpoint")
-    importer.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                          help="parameter dtype in the checkpoint (router biases stay float32)")
+    importer.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="parameter dtype in the checkpoint (router biases stay float32)",
+    )
     exporter = commands.add_parser("to-hf", help="maxmoe checkpoint -> Hugging Face folder")
     exporter.add_argument("--checkpoint", required=True, help="converted folder or training run.dir")
     exporter.add_argument("--out", required=True, help="new folder for config.json + safetensors")

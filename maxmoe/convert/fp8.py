@@ -63,9 +63,7 @@ def dequantize_fp8_blockwise(
     return out
 
 
-def quantize_fp8_blockwise(
-    weight: np.ndarray, block: tuple[int, int] = DEFAULT_BLOCK
-) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_blockwise(weight: np.ndarray, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Quantise a 2-D weight to (float8_e4m3fn weight, float32 scale_inv), scale = block amax / 448.
 
     The release's recipe, used here to make test data. An all-zero block gets scale 1.

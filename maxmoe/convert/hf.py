@@ -54,8 +54,9 @@ import json
 import math
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -96,8 +97,9 @@ def _rope_order(m: ModelConfig, interleaved: bool) -> np.ndarray:
 def _linear(name, out_dim, in_dim, path, prefix=(), index=(), collection="params"):
     """A plain linear weight [out, in] <-> a kernel [in, out]."""
     full = prefix + path
-    return Tensor(name, (out_dim, in_dim), lambda w: [(collection, full, index, w.T)],
-                  lambda get: get(collection, full, index).T)
+    return Tensor(
+        name, (out_dim, in_dim), lambda w: [(collection, full, index, w.T)], lambda get: get(collection, full, index).T
+    )
 
 
 def _vector(name, size, path, prefix=(), index=(), collection="params"):
@@ -105,8 +107,9 @@ def _vector(name, size, path, prefix=(), index=(), collection="params"):
     return Tensor(name, (size,), lambda w: [(collection, full, index, w)], lambda get: get(collection, full, index))
 
 
-def _block_tensors(m: ModelConfig, hf_prefix: str, prefix: tuple, index: tuple, moe: bool,
-                   interleaved: bool) -> list[Tensor]:
+def _block_tensors(
+    m: ModelConfig, hf_prefix: str, prefix: tuple, index: tuple, moe: bool, interleaved: bool
+) -> list[Tensor]:
     """The HF tensors of one decoder layer, mapped to the maxmoe block at `prefix` (slot `index`)."""
     d, h, n, r, v = m.hidden_size, m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     q, kv = m.q_lora_rank, m.kv_lora_rank
@@ -118,25 +121,33 @@ def _block_tensors(m: ModelConfig, hf_prefix: str, prefix: tuple, index: tuple, 
     def q_split(path, in_dim):
         def split(w):  # [H*(N+R), in] -> [in, H, N+R]
             return [("params", a + path, index, w.reshape(h, n + r, in_dim)[:, head_order].transpose(2, 0, 1))]
+
         return split
 
     def q_join(path, in_dim):
         def join(get):
-            return get("params", a + path, index).transpose(1, 2, 0)[:, np.argsort(head_order)].reshape(h * (n + r), in_dim)
+            return (
+                get("params", a + path, index)
+                .transpose(1, 2, 0)[:, np.argsort(head_order)]
+                .reshape(h * (n + r), in_dim)
+            )
+
         return join
 
     def kv_a_split(w):  # [L+R, D]
-        return [("params", a + ("w_kv_down",), index, w[:kv].T),
-                ("params", a + ("w_k_rope",), index, w[kv:][rope].T)]
+        return [("params", a + ("w_kv_down",), index, w[:kv].T), ("params", a + ("w_k_rope",), index, w[kv:][rope].T)]
 
     def kv_a_join(get):
-        return np.concatenate([get("params", a + ("w_kv_down",), index).T,
-                               get("params", a + ("w_k_rope",), index).T[inverse]], 0)
+        return np.concatenate(
+            [get("params", a + ("w_kv_down",), index).T, get("params", a + ("w_k_rope",), index).T[inverse]], 0
+        )
 
     def kv_b_split(w):  # [H*(N+V), L]
         w = w.reshape(h, n + v, kv)
-        return [("params", a + ("w_k_up",), index, w[:, :n].transpose(2, 0, 1)),
-                ("params", a + ("w_v_up",), index, w[:, n:].transpose(2, 0, 1))]
+        return [
+            ("params", a + ("w_k_up",), index, w[:, :n].transpose(2, 0, 1)),
+            ("params", a + ("w_v_up",), index, w[:, n:].transpose(2, 0, 1)),
+        ]
 
     def kv_b_join(get):
         k_up, v_up = get("params", a + ("w_k_up",), index), get("params", a + ("w_v_up",), index)
@@ -151,36 +162,48 @@ def _block_tensors(m: ModelConfig, hf_prefix: str, prefix: tuple, index: tuple, 
     p = hf_prefix + "self_attn."
     out = [_vector(hf_prefix + "input_layernorm.weight", d, ("attn_norm", "scale"), prefix, index)]
     if q:
-        out += [_linear(p + "q_a_proj.weight", q, d, ("attention", "w_q_down"), prefix, index),
-                _vector(p + "q_a_layernorm.weight", q, ("attention", "q_norm", "scale"), prefix, index),
-                Tensor(p + "q_b_proj.weight", (h * (n + r), q), q_split(("w_q_up",), q), q_join(("w_q_up",), q))]
+        out += [
+            _linear(p + "q_a_proj.weight", q, d, ("attention", "w_q_down"), prefix, index),
+            _vector(p + "q_a_layernorm.weight", q, ("attention", "q_norm", "scale"), prefix, index),
+            Tensor(p + "q_b_proj.weight", (h * (n + r), q), q_split(("w_q_up",), q), q_join(("w_q_up",), q)),
+        ]
     else:
         out.append(Tensor(p + "q_proj.weight", (h * (n + r), d), q_split(("w_q",), d), q_join(("w_q",), d)))
-    out += [Tensor(p + "kv_a_proj_with_mqa.weight", (kv + r, d), kv_a_split, kv_a_join),
-            _vector(p + "kv_a_layernorm.weight", kv, ("attention", "kv_norm", "scale"), prefix, index),
-            Tensor(p + "kv_b_proj.weight", (h * (n + v), kv), kv_b_split, kv_b_join),
-            Tensor(p + "o_proj.weight", (d, h * v), o_split, o_join),
-            _vector(hf_prefix + "post_attention_layernorm.weight", d, ("mlp_norm", "scale"), prefix, index)]
+    out += [
+        Tensor(p + "kv_a_proj_with_mqa.weight", (kv + r, d), kv_a_split, kv_a_join),
+        _vector(p + "kv_a_layernorm.weight", kv, ("attention", "kv_norm", "scale"), prefix, index),
+        Tensor(p + "kv_b_proj.weight", (h * (n + v), kv), kv_b_split, kv_b_join),
+        Tensor(p + "o_proj.weight", (d, h * v), o_split, o_join),
+        _vector(hf_prefix + "post_attention_layernorm.weight", d, ("mlp_norm", "scale"), prefix, index),
+    ]
     mp = hf_prefix + "mlp."
     if not moe:
         f = m.mlp_dim
-        return out + [_linear(mp + "gate_proj.weight", f, d, ("mlp", "w_gate"), prefix, index),
-                      _linear(mp + "up_proj.weight", f, d, ("mlp", "w_up"), prefix, index),
-                      _linear(mp + "down_proj.weight", d, f, ("mlp", "w_down"), prefix, index)]
+        return out + [
+            _linear(mp + "gate_proj.weight", f, d, ("mlp", "w_gate"), prefix, index),
+            _linear(mp + "up_proj.weight", f, d, ("mlp", "w_up"), prefix, index),
+            _linear(mp + "down_proj.weight", d, f, ("mlp", "w_down"), prefix, index),
+        ]
     f, e = m.moe_mlp_dim, m.num_experts
-    out += [_linear(mp + "gate.weight", e, d, ("moe", "router", "w_gate"), prefix, index),
-            _vector(mp + "gate.e_score_correction_bias", e, ("moe", "router", "bias"), prefix, index, "router")]
+    out += [
+        _linear(mp + "gate.weight", e, d, ("moe", "router", "w_gate"), prefix, index),
+        _vector(mp + "gate.e_score_correction_bias", e, ("moe", "router", "bias"), prefix, index, "router"),
+    ]
     for i in range(e):
         ep = f"{mp}experts.{i}."
-        out += [_linear(ep + "gate_proj.weight", f, d, ("moe", "w_gate"), prefix, index + (i,)),
-                _linear(ep + "up_proj.weight", f, d, ("moe", "w_up"), prefix, index + (i,)),
-                _linear(ep + "down_proj.weight", d, f, ("moe", "w_down"), prefix, index + (i,))]
+        out += [
+            _linear(ep + "gate_proj.weight", f, d, ("moe", "w_gate"), prefix, index + (i,)),
+            _linear(ep + "up_proj.weight", f, d, ("moe", "w_up"), prefix, index + (i,)),
+            _linear(ep + "down_proj.weight", d, f, ("moe", "w_down"), prefix, index + (i,)),
+        ]
     if m.num_shared_experts:
         fs = f * m.num_shared_experts
         sp = mp + "shared_experts."
-        out += [_linear(sp + "gate_proj.weight", fs, d, ("moe", "shared", "w_gate"), prefix, index),
-                _linear(sp + "up_proj.weight", fs, d, ("moe", "shared", "w_up"), prefix, index),
-                _linear(sp + "down_proj.weight", d, fs, ("moe", "shared", "w_down"), prefix, index)]
+        out += [
+            _linear(sp + "gate_proj.weight", fs, d, ("moe", "shared", "w_gate"), prefix, index),
+            _linear(sp + "up_proj.weight", fs, d, ("moe", "shared", "w_up"), prefix, index),
+            _linear(sp + "down_proj.weight", d, fs, ("moe", "shared", "w_down"), prefix, index),
+        ]
     return out
 
 
@@ -194,17 +217,25 @@ def hf_tensors(m: ModelConfig, interleaved: bool = True) -> list[Tensor]:
         out += _block_tensors(m, f"model.layers.{i}.", (stack,), (j,), moe, interleaved)
     for k in range(m.mtp_num_layers):
         hp, mp = f"model.layers.{m.num_layers + k}.", (f"mtp_{k}",)
-        out += [_vector(hp + "enorm.weight", d, ("emb_norm", "scale"), mp),
-                _vector(hp + "hnorm.weight", d, ("hidden_norm", "scale"), mp),
-                _linear(hp + "eh_proj.weight", d, 2 * d, ("w_proj",), mp)]
+        out += [
+            _vector(hp + "enorm.weight", d, ("emb_norm", "scale"), mp),
+            _vector(hp + "hnorm.weight", d, ("hidden_norm", "scale"), mp),
+            _linear(hp + "eh_proj.weight", d, 2 * d, ("w_proj",), mp),
+        ]
         out += _block_tensors(m, hp, mp + ("block",), (), True, interleaved)
-        out += [_vector(hp + "shared_head.norm.weight", d, ("out_norm", "scale"), mp),
-                Tensor(hp + "embed_tokens.weight", (vocab, d), lambda w: [],
-                       lambda get: get("params", ("embed", "embedding"), ())),
-                Tensor(hp + "shared_head.head.weight", (vocab, d), lambda w: [],
-                       lambda get: get("params", ("head",), ()).T)]
-    out += [_vector("model.norm.weight", d, ("final_norm", "scale")),
-            _linear("lm_head.weight", vocab, d, ("head",))]
+        out += [
+            _vector(hp + "shared_head.norm.weight", d, ("out_norm", "scale"), mp),
+            Tensor(
+                hp + "embed_tokens.weight",
+                (vocab, d),
+                lambda w: [],
+                lambda get: get("params", ("embed", "embedding"), ()),
+            ),
+            Tensor(
+                hp + "shared_head.head.weight", (vocab, d), lambda w: [], lambda get: get("params", ("head",), ()).T
+            ),
+        ]
+    out += [_vector("model.norm.weight", d, ("final_norm", "scale")), _linear("lm_head.weight", vocab, d, ("head",))]
     return out
 
 
@@ -268,8 +299,10 @@ def _validate(source: _Source, tensors: list[Tensor], block: tuple[int, int]) ->
             weight = name[: -len("_scale_inv")]
             want = scale_grid_shape(expected[weight], block) if len(expected[weight]) == 2 else None
             if shape != want:
-                raise UserError(f"tensor {name} has shape {list(shape)}, expected {list(want or ())} "
-                                f"(one scale per {block[0]}x{block[1]} block of {weight})")
+                raise UserError(
+                    f"tensor {name} has shape {list(shape)}, expected {list(want or ())} "
+                    f"(one scale per {block[0]}x{block[1]} block of {weight})"
+                )
             continue
         if name not in expected:
             raise UserError(f"unknown tensor {name} (shape {list(shape)}) for this config")
@@ -333,8 +366,9 @@ def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None =
     source = _Source(folder)
     _validate(source, tensors, block)
 
-    targets = {(coll,) + path: leaf for coll, tree in abstract_variables(m).items()
-               for path, leaf in _flatten(tree).items()}
+    targets = {
+        (coll,) + path: leaf for coll, tree in abstract_variables(m).items() for path, leaf in _flatten(tree).items()
+    }
     outputs, filled = {}, dict.fromkeys(targets, 0)
     for tensor in tensors:
         weight = source.read(tensor.name)
@@ -376,10 +410,12 @@ def config_yaml(m: ModelConfig, source: str) -> str:
     """A `model:` section that `python -m maxmoe.train --config` accepts, with the house header."""
     import yaml
 
-    return (f"# DeepSeek-V3 model converted from {source} by `python -m maxmoe.convert from-hf`.\n"
-            f"# Fine-tune: python -m maxmoe.train --config <this file> checkpoint.init_from=<this folder>\n"
-            f"# Expect the loss to start at the pretrained model's level, not at ln(vocab_size).\n"
-            + yaml.safe_dump({"model": dataclasses.asdict(m)}, sort_keys=False))
+    return (
+        f"# DeepSeek-V3 model converted from {source} by `python -m maxmoe.convert from-hf`.\n"
+        f"# Fine-tune: python -m maxmoe.train --config <this file> checkpoint.init_from=<this folder>\n"
+        f"# Expect the loss to start at the pretrained model's level, not at ln(vocab_size).\n"
+        + yaml.safe_dump({"model": dataclasses.asdict(m)}, sort_keys=False)
+    )
 
 
 def convert_from_hf(hf_dir: str | Path, out: str | Path, dtype: str = "float32") -> Path:
@@ -447,8 +483,8 @@ def load_pretrained(path: str | Path, dtype: str = "float32", compute_dtype: str
     `dtype` is the parameter dtype; the model computes in `compute_dtype` (default: `dtype`).
     Then `maxmoe.model.logits(config.model, variables, tokens)` gives [batch, seq, vocab].
     """
-    import jax.numpy as jnp
     import jax
+    import jax.numpy as jnp
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -456,8 +492,10 @@ def load_pretrained(path: str | Path, dtype: str = "float32", compute_dtype: str
     else:
         m, variables = read_checkpoint(path)
         cast = _np_dtype(dtype)
-        variables = {"params": jax.tree.map(lambda x: x.astype(cast), variables["params"]),
-                     "router": variables["router"]}
+        variables = {
+            "params": jax.tree.map(lambda x: x.astype(cast), variables["params"]),
+            "router": variables["router"],
+        }
     m = dataclasses.replace(m, compute_dtype=compute_dtype or dtype)
     return full_config(m), jax.tree.map(jnp.asarray, variables)
 
@@ -465,8 +503,9 @@ def load_pretrained(path: str | Path, dtype: str = "float32", compute_dtype: str
 # ----------------------------------------------------------------------------- export
 
 
-def export_hf(m: ModelConfig, variables: dict, out: str | Path, dtype: str = "bfloat16",
-              shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+def export_hf(
+    m: ModelConfig, variables: dict, out: str | Path, dtype: str = "bfloat16", shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> list[str]:
     """Write config.json and model.safetensors (or shards + index) in the release layout; returns file names.
 
     Tensors are built one shard at a time, so memory beyond the parameters is one shard.
@@ -496,8 +535,11 @@ def export_hf(m: ModelConfig, variables: dict, out: str | Path, dtype: str = "bf
             size = 0
         shards[-1].append(tensor)
         size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     out.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     for name, shard in zip(names, shards):
@@ -518,8 +560,9 @@ def export_hf(m: ModelConfig, variables: dict, out: str | Path, dtype: str = "bf
     return names
 
 
-def convert_to_hf(checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16",
-                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+def convert_to_hf(
+    checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> list[str]:
     """Export a maxmoe checkpoint (converted or trained) as an HF DeepSeek-V3 folder."""
     _check_empty(Path(out))
     _np_dtype(dtype)

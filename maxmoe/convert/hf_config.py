@@ -6,6 +6,7 @@ from typing import Any
 
 from maxmoe.config import ConfigError, ModelConfig, UserError, build_config
 
+
 def _get(hf: dict, key: str, default: Any = ..., *, null: Any = ..., where: str = "config.json") -> Any:
     """hf[key]; `default` when the key is absent and `null` when it is null (else a one-line error)."""
     if key not in hf:
@@ -24,17 +25,24 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     model_type = hf.get("model_type", "deepseek_v3")
     if model_type != "deepseek_v3":
         raise UserError(f"{where}: model_type {model_type!r} is not supported (expected deepseek_v3)")
-    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("moe_layer_freq", 1),
-                          ("tie_word_embeddings", False)):
+    for key, expected in (
+        ("hidden_act", "silu"),
+        ("attention_bias", False),
+        ("moe_layer_freq", 1),
+        ("tie_word_embeddings", False),
+    ):
         if key in hf and hf[key] is not None and hf[key] != expected:
             raise UserError(f"{where}: {key}={hf[key]!r} is not supported (maxmoe needs {expected!r})")
     if hf.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
         raise UserError(f"{where}: topk_method={hf['topk_method']!r} is not supported (maxmoe routes as noaux_tc)")
     heads = _get(hf, "num_attention_heads", where=where)
     if hf.get("num_key_value_heads") not in (None, heads):
-        raise UserError(f"{where}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads "
-                        f"({heads}) in multi-head latent attention")
+        raise UserError(
+            f"{where}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads "
+            f"({heads}) in multi-head latent attention"
+        )
     layers = _get(hf, "num_hidden_layers", where=where)
+
     def need(key, null=...):
         return _get(hf, key, null=null, where=where)
 
@@ -86,10 +94,12 @@ def _rope_from_hf(hf: dict, where: str) -> dict:
         # transformers then uses the default temperature on cos/sin, which ModelConfig cannot express.
         raise UserError(f"{where}: yarn with mscale_all_dim but no mscale is not supported")
     return {
-        "rope_theta": float(theta), "rope_scaling": "yarn",
+        "rope_theta": float(theta),
+        "rope_scaling": "yarn",
         "rope_factor": float(_get(params, "factor", where=f"{where} rope parameters")),
-        "rope_original_max_position": int(_get(params, "original_max_position_embeddings",
-                                               where=f"{where} rope parameters")),
+        "rope_original_max_position": int(
+            _get(params, "original_max_position_embeddings", where=f"{where} rope parameters")
+        ),
         "rope_beta_fast": float(params.get("beta_fast") or 32.0),
         "rope_beta_slow": float(params.get("beta_slow") or 1.0),
         "rope_mscale": float(1.0 if mscale is None else mscale),
@@ -101,26 +111,50 @@ def hf_config_from_model(m: ModelConfig, dtype: str) -> dict:
     """config.json in the DeepSeek-V3 release's key style (rope_scaling + rope_theta)."""
     rope_scaling = None
     if m.rope_scaling == "yarn":
-        rope_scaling = {"type": "yarn", "factor": m.rope_factor,
-                        "original_max_position_embeddings": m.rope_original_max_position,
-                        "beta_fast": m.rope_beta_fast, "beta_slow": m.rope_beta_slow,
-                        "mscale": m.rope_mscale, "mscale_all_dim": m.rope_mscale_all_dim}
+        rope_scaling = {
+            "type": "yarn",
+            "factor": m.rope_factor,
+            "original_max_position_embeddings": m.rope_original_max_position,
+            "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow,
+            "mscale": m.rope_mscale,
+            "mscale_all_dim": m.rope_mscale_all_dim,
+        }
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.mlp_dim,
-        "moe_intermediate_size": m.moe_mlp_dim, "num_hidden_layers": m.num_layers,
-        "num_nextn_predict_layers": m.mtp_num_layers, "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_heads, "n_shared_experts": m.num_shared_experts,
-        "n_routed_experts": m.num_experts, "routed_scaling_factor": m.routed_scaling_factor,
-        "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank or None,
-        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
-        "qk_nope_head_dim": m.qk_nope_head_dim, "topk_method": "noaux_tc", "n_group": m.num_expert_groups,
-        "topk_group": m.topk_groups, "num_experts_per_tok": m.experts_per_token, "moe_layer_freq": 1,
-        "first_k_dense_replace": m.first_k_dense, "norm_topk_prob": m.norm_topk_prob,
-        "scoring_func": m.score_func, "hidden_act": "silu", "max_position_embeddings": m.max_position_embeddings,
-        "rms_norm_eps": m.rms_norm_eps, "tie_word_embeddings": False, "rope_theta": m.rope_theta,
-        "rope_scaling": rope_scaling, "rope_interleave": True, "attention_bias": False,
-        "attention_dropout": 0.0, "torch_dtype": dtype,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.mlp_dim,
+        "moe_intermediate_size": m.moe_mlp_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_nextn_predict_layers": m.mtp_num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_heads,
+        "n_shared_experts": m.num_shared_experts,
+        "n_routed_experts": m.num_experts,
+        "routed_scaling_factor": m.routed_scaling_factor,
+        "kv_lora_rank": m.kv_lora_rank,
+        "q_lora_rank": m.q_lora_rank or None,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "topk_method": "noaux_tc",
+        "n_group": m.num_expert_groups,
+        "topk_group": m.topk_groups,
+        "num_experts_per_tok": m.experts_per_token,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": m.first_k_dense,
+        "norm_topk_prob": m.norm_topk_prob,
+        "scoring_func": m.score_func,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.rms_norm_eps,
+        "tie_word_embeddings": False,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": dtype,
     }
-
-

@@ -50,8 +50,11 @@ class MLA(nn.Module):
         if c.q_lora_rank:
             q_latent = x @ param("w_q_down", (d, c.q_lora_rank), ("embed", "q_lora"))
             q_latent = RMSNorm(c.rms_norm_eps, "q_lora", name="q_norm")(q_latent)
-            q_BTHK = jnp.einsum("btl,lhk->bthk", q_latent, param("w_q_up", (c.q_lora_rank, h, nope + rope),
-                                                                   ("q_lora", "heads", "head_dim")))
+            q_BTHK = jnp.einsum(
+                "btl,lhk->bthk",
+                q_latent,
+                param("w_q_up", (c.q_lora_rank, h, nope + rope), ("q_lora", "heads", "head_dim")),
+            )
         else:
             q_BTHK = jnp.einsum("btd,dhk->bthk", x, param("w_q", (d, h, nope + rope), ("embed", "heads", "head_dim")))
         q_BTHK = constrain(self.layout, q_BTHK, ("batch", "seq", "heads", "head_dim"))
@@ -60,10 +63,12 @@ class MLA(nn.Module):
         kv_latent = x @ param("w_kv_down", (d, c.kv_lora_rank), ("embed", "kv_lora"))
         kv_latent = RMSNorm(c.rms_norm_eps, "kv_lora", name="kv_norm")(kv_latent)
         k_rope_BT1R = (x @ param("w_k_rope", (d, rope), ("embed", "head_dim")))[:, :, None, :]
-        k_nope = jnp.einsum("btl,lhk->bthk", kv_latent, param("w_k_up", (c.kv_lora_rank, h, nope),
-                                                                ("kv_lora", "heads", "head_dim")))
-        v_BSHK = jnp.einsum("btl,lhk->bthk", kv_latent, param("w_v_up", (c.kv_lora_rank, h, v),
-                                                                ("kv_lora", "heads", "head_dim")))
+        k_nope = jnp.einsum(
+            "btl,lhk->bthk", kv_latent, param("w_k_up", (c.kv_lora_rank, h, nope), ("kv_lora", "heads", "head_dim"))
+        )
+        v_BSHK = jnp.einsum(
+            "btl,lhk->bthk", kv_latent, param("w_v_up", (c.kv_lora_rank, h, v), ("kv_lora", "heads", "head_dim"))
+        )
 
         q_rope = apply_rope(q_rope, positions_BT, c)
         k_rope_BT1R = apply_rope(k_rope_BT1R, positions_BT, c)

@@ -6,15 +6,22 @@ Parameters are float32; matmuls run in the module's compute dtype.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 
-def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
-                  init: Callable | None = None, std: float = 0.02) -> jax.Array:
+def logical_param(
+    module: nn.Module,
+    name: str,
+    shape: Sequence[int],
+    axes: Sequence[str | None],
+    init: Callable | None = None,
+    std: float = 0.02,
+) -> jax.Array:
     """A float32 parameter whose dimensions carry logical axis names (for the sharding rules)."""
     init = init or nn.initializers.normal(stddev=std)
     return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), jnp.float32)
@@ -49,8 +56,9 @@ class Embed(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        table_VD = logical_param(self, "embedding", (self.vocab_size, self.hidden_size), ("vocab", "embed"),
-                                 std=self.std)
+        table_VD = logical_param(
+            self, "embedding", (self.vocab_size, self.hidden_size), ("vocab", "embed"), std=self.std
+        )
         return jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
 
 

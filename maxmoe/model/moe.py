@@ -34,8 +34,14 @@ class MoE(nn.Module):
         b, t, _ = x_BTD.shape
         plan = None if self.layout is None else self.layout.dispatch_plan
         routed_BTD, dropped = dispatch.routed_experts(
-            x_BTD.astype(self.dtype), routing.expert_ids_NK.reshape(b, t, -1), routing.weights_NK.reshape(b, t, -1),
-            w_gate_EDF.astype(self.dtype), w_up_EDF.astype(self.dtype), w_down_EFD.astype(self.dtype), plan=plan)
+            x_BTD.astype(self.dtype),
+            routing.expert_ids_NK.reshape(b, t, -1),
+            routing.weights_NK.reshape(b, t, -1),
+            w_gate_EDF.astype(self.dtype),
+            w_up_EDF.astype(self.dtype),
+            w_down_EFD.astype(self.dtype),
+            plan=plan,
+        )
         dropped_var = self.variable("moe_stats", "dropped", lambda: jnp.zeros((), jnp.float32))
         if not self.is_initializing():
             dropped_var.value = dropped

@@ -54,9 +54,14 @@ def _stack(config: ModelConfig, moe: bool, length: int, name: str, dtype, layout
     block = Block
     if config.remat != "none":
         block = nn.remat(Block, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
-    scanned = nn.scan(block, variable_axes={"params": 0, "router": 0, "moe_stats": 0},
-                      split_rngs={"params": True}, in_axes=(nn.broadcast,), length=length,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
+    scanned = nn.scan(
+        block,
+        variable_axes={"params": 0, "router": 0, "moe_stats": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     return scanned(config, moe, dtype, layout, name=name)
 
 
@@ -104,8 +109,9 @@ class Transformer(nn.Module):
         w_head_DV = logical_param(self, "head", (c.hidden_size, c.vocab_size), ("embed", "vocab"), std=c.init_std)
 
         def head(h_BTD):
-            out = jnp.einsum("btd,dv->btv", h_BTD.astype(dtype), w_head_DV.astype(dtype),
-                             preferred_element_type=jnp.float32)
+            out = jnp.einsum(
+                "btd,dv->btv", h_BTD.astype(dtype), w_head_DV.astype(dtype), preferred_element_type=jnp.float32
+            )
             return constrain(self.layout, out, ("batch", "seq", "vocab"))
 
         normed_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
@@ -113,8 +119,9 @@ class Transformer(nn.Module):
         mtp_logits = []
         h = normed_BTD  # MTP depth 1 reads the final-normed hidden state, as the release's MTP does
         for k in range(1, c.mtp_num_layers + 1):
-            h, normed = MTPLayer(c, dtype, self.layout, name=f"mtp_{k - 1}")(h, embed(shift_left(tokens_BT, k)),
-                                                                              positions_BT)
+            h, normed = MTPLayer(c, dtype, self.layout, name=f"mtp_{k - 1}")(
+                h, embed(shift_left(tokens_BT, k)), positions_BT
+            )
             mtp_logits.append(head(normed))
         return logits_BTV, mtp_logits
 

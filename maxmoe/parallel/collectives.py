@@ -40,8 +40,9 @@ def has_native_ragged_all_to_all(platform: str) -> bool:
     raise ValueError(f"unknown platform {platform!r}; expected one of {allowed}")
 
 
-def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                      recv_sizes, *, axis_name, emulate: bool):
+def ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, emulate: bool
+):
     """Ragged all-to-all over `axis_name`, natively or emulated with dense collectives.
 
     Semantics are exactly those of `jax.lax.ragged_all_to_all`. Call it inside
@@ -86,11 +87,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     """
     if not emulate:
         return jax.lax.ragged_all_to_all(
-            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-            axis_name=axis_name)
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
+        )
     return _emulated_ragged_all_to_all(
-        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-        axis_name=axis_name)
+        operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
+    )
 
 
 def _row_mask_KM(starts_K, sizes_K, num_rows):
@@ -106,21 +107,22 @@ def _with_row_dims(mask, rows):
     return mask.reshape(mask.shape + (1,) * (rows.ndim - 1))
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,
-                                output_offsets, recv_sizes, *, axis_name):
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     num_slices = input_offsets.shape[0]
     num_rows = output.shape[0]
     axis_size = jax.lax.axis_size(axis_name)
     if num_slices % axis_size:
         raise ValueError(
-            f"ragged_all_to_all: {num_slices} slices is not a multiple of the size "
-            f"{axis_size} of axis {axis_name!r}")
+            f"ragged_all_to_all: {num_slices} slices is not a multiple of the size {axis_size} of axis {axis_name!r}"
+        )
     if operand.shape[1:] != output.shape[1:] or operand.dtype != output.dtype:
         raise ValueError(
             f"ragged_all_to_all: operand {operand.dtype}{list(operand.shape)} and output "
-            f"{output.dtype}{list(output.shape)} must share dtype and trailing dims")
+            f"{output.dtype}{list(output.shape)} must share dtype and trailing dims"
+        )
     input_offsets, send_sizes, output_offsets, recv_sizes = (
-        a.astype(jnp.int32) for a in (input_offsets, send_sizes, output_offsets, recv_sizes))
+        a.astype(jnp.int32) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)
+    )
     rows_M = jnp.arange(num_rows, dtype=jnp.int32)
 
     # Sender: lay each slice out where its receiver wants it, so the receiver only
@@ -131,8 +133,7 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,
     # masked to zero below, so they also get no gradient.
     source_row_KM = jnp.clip(source_row_KM, 0, operand.shape[0] - 1)
     sent_KM = _row_mask_KM(output_offsets, send_sizes, num_rows)
-    blocks_KM = jnp.where(_with_row_dims(sent_KM, operand), operand[source_row_KM],
-                          jnp.zeros((), operand.dtype))
+    blocks_KM = jnp.where(_with_row_dims(sent_KM, operand), operand[source_row_KM], jnp.zeros((), operand.dtype))
 
     # A tiled all_to_all sends blocks [d*K/P, (d+1)*K/P) to peer d and concatenates
     # what arrives in sender order: the slice -> peer mapping of the real collective.

@@ -55,8 +55,14 @@ from maxmoe.parallel.collectives import has_native_ragged_all_to_all
 from maxmoe.parallel.dispatch_shard import expert_swiglu
 
 STRATEGIES = ("ragged_a2a", "allgather", "capacity")
-__all__ = ["DispatchPlan", "STRATEGIES", "expert_swiglu", "local_routed_experts", "make_dispatch_plan",
-           "routed_experts"]
+__all__ = [
+    "DispatchPlan",
+    "STRATEGIES",
+    "expert_swiglu",
+    "local_routed_experts",
+    "make_dispatch_plan",
+    "routed_experts",
+]
 
 
 def local_routed_experts(x_ND, expert_ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot"):
@@ -81,8 +87,14 @@ def routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_d
     b, t, d = x_BTD.shape
     k = expert_ids_BTK.shape[-1]
     if plan is None:
-        y = local_routed_experts(x_BTD.reshape(b * t, d), expert_ids_BTK.reshape(b * t, k),
-                                 weights_BTK.reshape(b * t, k), w_gate_EDF, w_up_EDF, w_down_EFD)
+        y = local_routed_experts(
+            x_BTD.reshape(b * t, d),
+            expert_ids_BTK.reshape(b * t, k),
+            weights_BTK.reshape(b * t, k),
+            w_gate_EDF,
+            w_up_EDF,
+            w_down_EFD,
+        )
         return y.reshape(b, t, d), jnp.zeros((), jnp.float32)
     return plan.routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
@@ -123,8 +135,9 @@ class DispatchPlan:
 
     def buffer_rows(self, tokens_per_shard: int, top_k: int, num_experts: int) -> int:
         """ragged_a2a receive rows per expert rank: the dropless bound, or less with buffer_factor."""
-        dropless = dispatch_shard.dropless_rows(tokens_per_shard, top_k, num_experts // self.expert_ranks,
-                                                self.expert_ranks)
+        dropless = dispatch_shard.dropless_rows(
+            tokens_per_shard, top_k, num_experts // self.expert_ranks, self.expert_ranks
+        )
         if self.buffer_factor <= 0:
             return dropless
         return min(dropless, math.ceil(self.buffer_factor * tokens_per_shard * top_k))
@@ -144,27 +157,42 @@ class DispatchPlan:
         k = expert_ids_BTK.shape[-1]
         num_experts = w_gate_EDF.shape[0]
         if num_experts % self.expert_ranks:
-            raise ValueError(f"{num_experts} experts are not divisible by the {self.expert_ranks} "
-                             f"ranks of mesh axis {self.expert_axis!r}")
+            raise ValueError(
+                f"{num_experts} experts are not divisible by the {self.expert_ranks} "
+                f"ranks of mesh axis {self.expert_axis!r}"
+            )
         n_global = b * t
         pad = -n_global % self.token_shards
         x_ND = jnp.pad(x_BTD.reshape(n_global, d), ((0, pad), (0, 0)))
-        ids_NK = jnp.pad(expert_ids_BTK.reshape(n_global, k).astype(jnp.int32), ((0, pad), (0, 0)),
-                         constant_values=num_experts)
+        ids_NK = jnp.pad(
+            expert_ids_BTK.reshape(n_global, k).astype(jnp.int32), ((0, pad), (0, 0)), constant_values=num_experts
+        )
         weights_NK = jnp.pad(weights_BTK.reshape(n_global, k), ((0, pad), (0, 0)))
         n = (n_global + pad) // self.token_shards
 
         if self.strategy == "ragged_a2a":
             body = functools.partial(
-                dispatch_shard.ragged_a2a_shard, num_experts=num_experts,
-                buffer_rows=self.buffer_rows(n, k, num_experts), expert_axis=self.expert_axis,
-                emulate=self.emulate_ragged_a2a, backend=self.grouped_matmul)
+                dispatch_shard.ragged_a2a_shard,
+                num_experts=num_experts,
+                buffer_rows=self.buffer_rows(n, k, num_experts),
+                expert_axis=self.expert_axis,
+                emulate=self.emulate_ragged_a2a,
+                backend=self.grouped_matmul,
+            )
         elif self.strategy == "allgather":
-            body = functools.partial(dispatch_shard.allgather_shard, num_experts=num_experts,
-                                     expert_axis=self.expert_axis, backend=self.grouped_matmul)
+            body = functools.partial(
+                dispatch_shard.allgather_shard,
+                num_experts=num_experts,
+                expert_axis=self.expert_axis,
+                backend=self.grouped_matmul,
+            )
         else:
-            body = functools.partial(dispatch_shard.capacity_shard, num_experts=num_experts,
-                                     capacity=self.capacity(n, k, num_experts), expert_axis=self.expert_axis)
+            body = functools.partial(
+                dispatch_shard.capacity_shard,
+                num_experts=num_experts,
+                capacity=self.capacity(n, k, num_experts),
+                expert_axis=self.expert_axis,
+            )
 
         def shard(*args):
             y_nD, dropped, copies = body(*args)
@@ -177,7 +205,9 @@ class DispatchPlan:
         w_in = PartitionSpec(self.expert_axis, None, self.tensor_axis)
         w_out = PartitionSpec(self.expert_axis, self.tensor_axis, None)
         y_ND, dropped_frac = jax.shard_map(
-            shard, mesh=self.mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+            shard,
+            mesh=self.mesh,
+            in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
             out_specs=(tokens, PartitionSpec()),
         )(x_ND, ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
         return y_ND[:n_global].reshape(b, t, d), jax.lax.stop_gradient(dropped_frac)
@@ -189,8 +219,16 @@ def _axes_tuple(axes) -> tuple:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def make_dispatch_plan(mesh: Mesh, moe_config, *, token_axes, expert_axis: str = "expert",
-                       tensor_axis: str = "tensor", weight_specs: dict, platform: str | None = None) -> DispatchPlan:
+def make_dispatch_plan(
+    mesh: Mesh,
+    moe_config,
+    *,
+    token_axes,
+    expert_axis: str = "expert",
+    tensor_axis: str = "tensor",
+    weight_specs: dict,
+    platform: str | None = None,
+) -> DispatchPlan:
     """The expert-parallel plan for `mesh` and `moe_config` (a MoEConfig).
 
     Args:
@@ -223,8 +261,11 @@ def make_dispatch_plan(mesh: Mesh, moe_config, *, token_axes, expert_axis: str =
         entry = tuple(spec)[dim] if len(tuple(spec)) > dim else None
         return tensor_axis in _axes_tuple(entry)
 
-    f_sharded = {shards_f(weight_specs["w_gate"], 2), shards_f(weight_specs["w_up"], 2),
-                 shards_f(weight_specs["w_down"], 1)}
+    f_sharded = {
+        shards_f(weight_specs["w_gate"], 2),
+        shards_f(weight_specs["w_up"], 2),
+        shards_f(weight_specs["w_down"], 1),
+    }
     if len(f_sharded) != 1:
         raise ValueError(f"w_gate, w_up and w_down must agree on sharding F over {tensor_axis!r}: {weight_specs}")
     f_axis = tensor_axis if f_sharded.pop() and mesh.shape.get(tensor_axis, 1) > 1 else None
@@ -233,6 +274,14 @@ def make_dispatch_plan(mesh: Mesh, moe_config, *, token_axes, expert_axis: str =
         emulate = not has_native_ragged_all_to_all(platform or jax.default_backend())
     else:
         emulate = moe_config.emulate_ragged_a2a == "true"
-    return DispatchPlan(mesh=mesh, strategy=strategy, token_axes=tuple(axes), expert_axis=expert_axis,
-                        tensor_axis=f_axis, emulate_ragged_a2a=emulate, buffer_factor=moe_config.buffer_factor,
-                        capacity_factor=moe_config.capacity_factor, grouped_matmul=moe_config.grouped_matmul)
+    return DispatchPlan(
+        mesh=mesh,
+        strategy=strategy,
+        token_axes=tuple(axes),
+        expert_axis=expert_axis,
+        tensor_axis=f_axis,
+        emulate_ragged_a2a=emulate,
+        buffer_factor=moe_config.buffer_factor,
+        capacity_factor=moe_config.capacity_factor,
+        grouped_matmul=moe_config.grouped_matmul,
+    )

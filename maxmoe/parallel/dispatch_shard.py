@@ -58,8 +58,20 @@ def dropless_rows(tokens, top_k, experts_per_rank, senders):
 # ragged_a2a: sort by expert, ragged all-to-all out, grouped matmul, ragged all-to-all back.
 
 
-def ragged_a2a_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *,
-                     num_experts, buffer_rows, expert_axis, emulate, backend):
+def ragged_a2a_shard(
+    x_nD,
+    expert_ids_nK,
+    weights_nK,
+    w_gate_LDF,
+    w_up_LDF,
+    w_down_LFD,
+    *,
+    num_experts,
+    buffer_rows,
+    expert_axis,
+    emulate,
+    backend,
+):
     """Dropless (or buffer-bounded) dispatch with two ragged all-to-alls over `expert_axis`.
 
     The receive buffer holds `buffer_rows` rows, laid out source-major: rows from expert
@@ -86,9 +98,15 @@ def ragged_a2a_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_do
     send_start_SR = jnp.cumsum(wanted_SR, axis=1) - wanted_SR  # start of R's rows in S's sort
 
     receive_MD = ragged_all_to_all(
-        sorted_rows_MD, jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
-        send_start_SR[me], sent_SR[me], recv_offset_SR[me], sent_SR[:, me],
-        axis_name=expert_axis, emulate=emulate)
+        sorted_rows_MD,
+        jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
+        send_start_SR[me],
+        sent_SR[me],
+        recv_offset_SR[me],
+        sent_SR[:, me],
+        axis_name=expert_axis,
+        emulate=emulate,
+    )
 
     # Regroup the received rows by local expert (stable: source-major inside an expert).
     from_me_SL = counts_SRL[:, me]
@@ -101,9 +119,15 @@ def ragged_a2a_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_do
     out_MD = out_MD[inverse_permutation(regroup)]
 
     returned_MD = ragged_all_to_all(
-        out_MD, jnp.zeros(sorted_rows_MD.shape, out_MD.dtype),
-        recv_offset_SR[:, me], sent_SR[:, me], send_start_SR[:, me], sent_SR[me],
-        axis_name=expert_axis, emulate=emulate)
+        out_MD,
+        jnp.zeros(sorted_rows_MD.shape, out_MD.dtype),
+        recv_offset_SR[:, me],
+        sent_SR[:, me],
+        send_start_SR[:, me],
+        sent_SR[me],
+        axis_name=expert_axis,
+        emulate=emulate,
+    )
     y_nD = combine(returned_MD[inverse_permutation(order)], weights_nK)
     dropped = (wanted_SR[me] - sent_SR[me]).sum()
     return y_nD, dropped, counts_E.sum()
@@ -113,8 +137,9 @@ def ragged_a2a_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_do
 # allgather: every expert rank sees all tokens of its expert group, reduce-scatter back.
 
 
-def allgather_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *,
-                    num_experts, expert_axis, backend):
+def allgather_shard(
+    x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *, num_experts, expert_axis, backend
+):
     """All-gather tokens over `expert_axis`, run the local experts, reduce-scatter back."""
     n, k = expert_ids_nK.shape
     ranks = jax.lax.axis_size(expert_axis)
@@ -129,8 +154,9 @@ def allgather_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_dow
     local_ids = jnp.where((local_ids >= 0) & (local_ids < local), local_ids, local)
     order = jnp.argsort(local_ids, stable=True)  # copies for other ranks sort last
     rows = min(ranks * n * k, dropless_rows(n, k, local, ranks))
-    out_MD = expert_swiglu(all_x_ND[order[:rows] // k], count_copies(local_ids, local),
-                           w_gate_LDF, w_up_LDF, w_down_LFD, backend)
+    out_MD = expert_swiglu(
+        all_x_ND[order[:rows] // k], count_copies(local_ids, local), w_gate_LDF, w_up_LDF, w_down_LFD, backend
+    )
     out_MD = jnp.concatenate([out_MD, jnp.zeros((ranks * n * k - rows,) + out_MD.shape[1:], out_MD.dtype)])
     partial_ND = combine(out_MD[inverse_permutation(order)], all_weights_NK)
     y_nD = jax.lax.psum_scatter(partial_ND, expert_axis, scatter_dimension=0, tiled=True)
@@ -141,8 +167,9 @@ def allgather_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_dow
 # capacity: fixed slots per (source shard, expert), dense all-to-all, batched matmul.
 
 
-def capacity_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *,
-                   num_experts, capacity, expert_axis):
+def capacity_shard(
+    x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *, num_experts, capacity, expert_axis
+):
     """GShard-style dispatch: `capacity` slots per expert per shard; overflow dropped.
 
     Copies fill an expert's slots in (token, k) order; those past `capacity` are dropped.
@@ -168,8 +195,7 @@ def capacity_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down
     gate = jnp.einsum("lmd,ldf->lmf", rows_LMD, w_gate_LDF, preferred_element_type=jnp.float32)
     up = jnp.einsum("lmd,ldf->lmf", rows_LMD, w_up_LDF, preferred_element_type=jnp.float32)
     hidden = (jax.nn.silu(gate) * up).astype(x_nD.dtype)
-    out_LMD = jnp.einsum("lmf,lfd->lmd", hidden, w_down_LFD,
-                         preferred_element_type=jnp.float32).astype(x_nD.dtype)
+    out_LMD = jnp.einsum("lmf,lfd->lmd", hidden, w_down_LFD, preferred_element_type=jnp.float32).astype(x_nD.dtype)
     out_ECD = out_LMD.reshape(local, ranks, capacity, d).transpose(1, 0, 2, 3).reshape(-1, capacity, d)
     back_ECD = jax.lax.all_to_all(out_ECD, expert_axis, 0, 0, tiled=True)
 
@@ -177,7 +203,8 @@ def capacity_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down
     expert_M = jnp.clip(flat_ids, 0, num_experts - 1)
     slot_M = inverse_permutation(order) - starts_E[expert_M]
     kept_M = (flat_ids < num_experts) & (slot_M < capacity)
-    copies_MD = jnp.where(kept_M[:, None], back_ECD[expert_M, jnp.clip(slot_M, 0, capacity - 1)],
-                          jnp.zeros((), back_ECD.dtype))
+    copies_MD = jnp.where(
+        kept_M[:, None], back_ECD[expert_M, jnp.clip(slot_M, 0, capacity - 1)], jnp.zeros((), back_ECD.dtype)
+    )
     dropped = jnp.maximum(counts_E - capacity, 0).sum()
     return combine(copies_MD, weights_nK), dropped, counts_E.sum()

@@ -35,14 +35,12 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
         ValueError: for an unknown backend.
     """
     if backend == "ragged_dot":
-        out_MF = jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G,
-                                    preferred_element_type=jnp.float32)
+        out_MF = jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
     elif backend == "dense_loop":
         out_MF = _dense_loop(x_MD, w_GDF, group_sizes_G)
     else:
         allowed = ", ".join(repr(b) for b in BACKENDS)
-        raise ValueError(
-            f"unknown grouped_matmul backend {backend!r}; expected one of {allowed}")
+        raise ValueError(f"unknown grouped_matmul backend {backend!r}; expected one of {allowed}")
     return out_MF.astype(x_MD.dtype)
 
 
@@ -54,7 +52,6 @@ def _dense_loop(x_MD, w_GDF, group_sizes_G):
     out_MF = jnp.zeros((x_MD.shape[0], w_GDF.shape[2]), jnp.float32)
     for g in range(w_GDF.shape[0]):
         in_group_M = (rows_M >= starts_G[g]) & (rows_M < ends_G[g])
-        product_MF = jnp.einsum("md,df->mf", x_MD, w_GDF[g],
-                                preferred_element_type=jnp.float32)
+        product_MF = jnp.einsum("md,df->mf", x_MD, w_GDF[g], preferred_element_type=jnp.float32)
         out_MF = out_MF + jnp.where(in_group_M[:, None], product_MF, 0.0)
     return out_MF

@@ -41,8 +41,12 @@ class Restored:
 def _handlers(*names: str) -> dict:
     import orbax.checkpoint as ocp
 
-    kinds = {"state": ocp.StandardCheckpointHandler, "params": ocp.PyTreeCheckpointHandler,
-             "data": ocp.JsonCheckpointHandler, "config": ocp.JsonCheckpointHandler}
+    kinds = {
+        "state": ocp.StandardCheckpointHandler,
+        "params": ocp.PyTreeCheckpointHandler,
+        "data": ocp.JsonCheckpointHandler,
+        "config": ocp.JsonCheckpointHandler,
+    }
     # "params" reads the state item with the handler that can restore part of a tree.
     return {("state" if name == "params" else name): kinds[name]() for name in names}
 
@@ -109,8 +113,11 @@ def _model_differences(saved_config: Any, config: Config) -> str:
     if not isinstance(saved_config, dict) or not isinstance(saved_config.get("model"), dict):
         return ""
     here, there = config.to_dict()["model"], saved_config["model"]
-    diffs = [f"model.{k}: {there.get(k)!r} there, {here.get(k)!r} here"
-             for k in sorted(set(here) | set(there)) if there.get(k) != here.get(k)]
+    diffs = [
+        f"model.{k}: {there.get(k)!r} there, {here.get(k)!r} here"
+        for k in sorted(set(here) | set(there))
+        if there.get(k) != here.get(k)
+    ]
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''})" if diffs else ""
 
 
@@ -119,13 +126,16 @@ def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "") -
     stored, target = _leaf_paths(stored_tree), _leaf_paths(target_tree)
     missing = [p for p in target if p not in stored]
     if missing:
-        raise UserError(f"{where} does not fit this model: it has no {missing[0]}"
-                        f"{f' (and {len(missing) - 1} more arrays)' if len(missing) > 1 else ''}{hint}")
+        raise UserError(
+            f"{where} does not fit this model: it has no {missing[0]}"
+            f"{f' (and {len(missing) - 1} more arrays)' if len(missing) > 1 else ''}{hint}"
+        )
     for path, leaf in target.items():
         shape = tuple(getattr(stored[path], "shape", None) or ())
         if shape != tuple(leaf.shape):
-            raise UserError(f"{where} does not fit this model: {path} has shape {shape} there, "
-                            f"{tuple(leaf.shape)} here{hint}")
+            raise UserError(
+                f"{where} does not fit this model: {path} has shape {shape} there, {tuple(leaf.shape)} here{hint}"
+            )
 
 
 class Checkpointer:
@@ -146,10 +156,14 @@ class Checkpointer:
 
             c = self.config.checkpoint
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=c.keep, keep_period=c.keep_every or None, create=True,
-                enable_async_checkpointing=c.async_save)
-            self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                                  item_handlers=_handlers("state", "data", "config"))
+                max_to_keep=c.keep,
+                keep_period=c.keep_every or None,
+                create=True,
+                enable_async_checkpointing=c.async_save,
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=_handlers("state", "data", "config")
+            )
         return self._manager
 
     def check_start(self) -> None:
@@ -158,8 +172,10 @@ class Checkpointer:
         if self.config.checkpoint.resume or not run_dir.exists():
             return
         if any(run_dir.iterdir()):
-            raise UserError(f"run.dir {run_dir} is not empty and checkpoint.resume=false; "
-                            f"choose a new run.dir or set checkpoint.resume=true")
+            raise UserError(
+                f"run.dir {run_dir} is not empty and checkpoint.resume=false; "
+                f"choose a new run.dir or set checkpoint.resume=true"
+            )
 
     def latest_step(self) -> int | None:
         """The newest complete step folder (in-progress `*.orbax-checkpoint-tmp` folders never count)."""
@@ -182,8 +198,9 @@ class Checkpointer:
         import orbax.checkpoint as ocp
 
         where = f"checkpoint {self.directory / str(step)}"
-        advice = ("; move that step folder away to resume from the one before it, or use a new run.dir "
-                  "(nothing was deleted)")
+        advice = (
+            "; move that step folder away to resume from the one before it, or use a new run.dir (nothing was deleted)"
+        )
         manager = self._open()
         with _quiet_orbax():
             try:
@@ -194,11 +211,19 @@ class Checkpointer:
             stored_state = metadata.get("state") if metadata is not None else None
             if stored_state is None or not (self.directory / str(step) / "data").is_dir():
                 raise UserError(f"{where} is not a maxmoe training checkpoint (no state or data item){advice}")
-            check_fits(getattr(stored_state, "tree", stored_state), abstract_state, where,
-                       _model_differences(saved_config, self.config))
+            check_fits(
+                getattr(stored_state, "tree", stored_state),
+                abstract_state,
+                where,
+                _model_differences(saved_config, self.config),
+            )
             try:
-                restored = manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                restored = manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+                    ),
+                )
             except Exception as e:  # noqa: BLE001 - see above
                 raise UserError(f"{where} cannot be read ({_first_line(e)}){advice}") from None
         return Restored(step=step, state=restored["state"], data=restored["data"])
@@ -217,9 +242,15 @@ class Checkpointer:
         manager = self._open()
         if manager.latest_step() == step:
             return False  # already saved (or being saved) at this step
-        return manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(self.config.to_dict())), force=True)
+        return manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state),
+                config=ocp.args.JsonSave(self.config.to_dict()),
+            ),
+            force=True,
+        )
 
     def wait(self) -> None:
         """Block until every started save is complete on disk."""
@@ -244,8 +275,9 @@ def load_params(path: str, abstract_state: Any) -> dict:
         raise UserError(f"checkpoint.init_from={path}: no such folder")
     directory = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
     with _quiet_orbax():  # read_only makes orbax warn about the options it turns off
-        manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                        item_handlers=_handlers("params", "config"))
+        manager = ocp.CheckpointManager(
+            directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers("params", "config")
+        )
     try:
         with _quiet_orbax():
             step = manager.latest_step()
@@ -262,8 +294,16 @@ def load_params(path: str, abstract_state: Any) -> dict:
                 raise UserError(f"{where}: not a maxmoe checkpoint (no state item)")
             check_fits(getattr(stored, "tree", stored), target, where)
             try:
-                restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                    item=target, restore_args=checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+                restored = manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.PyTreeRestore(
+                            item=target,
+                            restore_args=checkpoint_utils.construct_restore_args(target),
+                            partial_restore=True,
+                        )
+                    ),
+                )
             except Exception as e:  # noqa: BLE001 - see above
                 raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
     finally:
@@ -276,10 +316,15 @@ def save_params(folder: str | Path, params: Any, router: Any, config: Config, st
     import orbax.checkpoint as ocp
 
     directory = Path(folder).absolute() / "checkpoints"
-    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True),
-                               item_handlers=_handlers("state", "config")) as manager:
-        manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": params, "router": router}),
-            config=ocp.args.JsonSave(config.to_dict())))
+    with ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(create=True), item_handlers=_handlers("state", "config")
+    ) as manager:
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": params, "router": router}),
+                config=ocp.args.JsonSave(config.to_dict()),
+            ),
+        )
         manager.wait_until_finished()
     return directory

@@ -33,8 +33,8 @@ import secrets
 import shutil
 import sys
 import sysconfig
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -84,8 +84,16 @@ def eval_documents(names: list[str], eval_fraction: float) -> set[str]:
     return set(by_hash[:count])
 
 
-def write_token_folder(out_dir: str | Path, names: list[str], encode: Callable[[str], np.ndarray], *,
-                       vocab_size: int, eos_id: int, eval_fraction: float, info: dict | None = None) -> dict:
+def write_token_folder(
+    out_dir: str | Path,
+    names: list[str],
+    encode: Callable[[str], np.ndarray],
+    *,
+    vocab_size: int,
+    eos_id: int,
+    eval_fraction: float,
+    info: dict | None = None,
+) -> dict:
     """Tokenise documents `names` with `encode` into a token folder at `out_dir`, atomically.
 
     Documents go whole to train or eval (`eval_documents`), each followed by `eos_id`; with a
@@ -124,11 +132,18 @@ def write_token_folder(out_dir: str | Path, names: list[str], encode: Callable[[
         if counts["train"][0] == 0:
             raise UserError(f"empty corpus: the {len(names)} input documents hold no tokens")
         meta = {
-            "format": FORMAT, "version": FORMAT_VERSION, **(info or {}),
-            "vocab_size": int(vocab_size), "dtype": dtype.name, "eos_id": int(eos_id),
-            "token_count": counts["train"][0] + counts["eval"][0], "eval_fraction": eval_fraction,
-            "splits": {split: {"file": f"{split}.bin", "tokens": tokens, "documents": docs}
-                       for split, (tokens, docs) in counts.items()},
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            **(info or {}),
+            "vocab_size": int(vocab_size),
+            "dtype": dtype.name,
+            "eos_id": int(eos_id),
+            "token_count": counts["train"][0] + counts["eval"][0],
+            "eval_fraction": eval_fraction,
+            "splits": {
+                split: {"file": f"{split}.bin", "tokens": tokens, "documents": docs}
+                for split, (tokens, docs) in counts.items()
+            },
         }
         (work / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         try:
@@ -155,7 +170,7 @@ def read_meta(folder: str | Path) -> dict:
     except (ValueError, UnicodeDecodeError):
         raise UserError(f"{path}: not valid JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{path}: not a maxmoe token folder (expected \"format\": \"{FORMAT}\")")
+        raise UserError(f'{path}: not a maxmoe token folder (expected "format": "{FORMAT}")')
     if meta.get("version") != FORMAT_VERSION:
         raise UserError(f"{path}: format version {meta.get('version')!r}, this maxmoe reads {FORMAT_VERSION}")
     if meta.get("dtype") not in ("uint16", "uint32"):
@@ -220,10 +235,20 @@ def stdlib_corpus(cache_dir: str, eval_fraction: float) -> Path:
     base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "maxmoe"
     folder = base / f"stdlib-{version}-{key.hexdigest()[:12]}"
     if not (folder / "meta.json").is_file():
-        write_token_folder(folder, names, lambda name: byte_tokens((root / name).read_bytes()),
-                           vocab_size=BYTE_VOCAB_SIZE, eos_id=EOS_ID, eval_fraction=eval_fraction,
-                           info={"source": f"python {sys.version.split()[0]} stdlib at {root}", "tokenizer": "byte",
-                                 "bos_id": BOS_ID, "pad_id": PAD_ID})
+        write_token_folder(
+            folder,
+            names,
+            lambda name: byte_tokens((root / name).read_bytes()),
+            vocab_size=BYTE_VOCAB_SIZE,
+            eos_id=EOS_ID,
+            eval_fraction=eval_fraction,
+            info={
+                "source": f"python {sys.version.split()[0]} stdlib at {root}",
+                "tokenizer": "byte",
+                "bos_id": BOS_ID,
+                "pad_id": PAD_ID,
+            },
+        )
     return folder
 
 
@@ -260,15 +285,16 @@ class BatchIterator:
     description (one line for logs).
     """
 
-    def __init__(self, dataset, *, split: str, local_batch_size: int, seq_len: int,
-                 num_batches: int | None, description: str):
+    def __init__(
+        self, dataset, *, split: str, local_batch_size: int, seq_len: int, num_batches: int | None, description: str
+    ):
         self._dataset = dataset  # grain MapDataset of local batches; random access by step
         self.split, self.local_batch_size, self.seq_len = split, local_batch_size, seq_len
         self.num_batches, self.description = num_batches, description
         self._step = 0
         self._iterator = None
 
-    def __iter__(self) -> "BatchIterator":
+    def __iter__(self) -> BatchIterator:
         return self
 
     def __next__(self) -> np.ndarray:
@@ -279,7 +305,7 @@ class BatchIterator:
 
             # Threads read a few batches ahead; a small buffer bounds host memory.
             options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
-            self._iterator = iter(self._dataset[self._step:].to_iter_dataset(options))
+            self._iterator = iter(self._dataset[self._step :].to_iter_dataset(options))
         batch = next(self._iterator)
         self._step += 1
         return batch
@@ -296,8 +322,9 @@ class BatchIterator:
         self._step, self._iterator = step, None
 
 
-def make_dataset(config: Config, *, split: str = "train", process_index: int = 0,
-                 process_count: int = 1) -> BatchIterator:
+def make_dataset(
+    config: Config, *, split: str = "train", process_index: int = 0, process_count: int = 1
+) -> BatchIterator:
     """The batch iterator of one process for `split` ('train': endless; 'eval': train.eval_batches)."""
     import grain
 
@@ -319,35 +346,50 @@ def make_dataset(config: Config, *, split: str = "train", process_index: int = 0
         draw_key = _stream_seed(seed, stream)
 
         def rows(sample_ids):
-            return np.stack([np.random.default_rng([draw_key, int(i)]).integers(0, vocab, window, dtype=np.int32)
-                             for i in sample_ids])
+            return np.stack(
+                [
+                    np.random.default_rng([draw_key, int(i)]).integers(0, vocab, window, dtype=np.int32)
+                    for i in sample_ids
+                ]
+            )
 
         description = f"synthetic tokens in [0, {vocab})"
     else:
         folder = data_folder(config)
         tokens, meta = load_tokens(folder, split)
         if config.model.vocab_size < meta["vocab_size"]:
-            raise UserError(f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
-                            f"of {meta['vocab_size']} ({folder})")
+            raise UserError(
+                f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
+                f"of {meta['vocab_size']} ({folder})"
+            )
         if len(tokens) < window:
-            raise UserError(f"train.seq_len={t.seq_len}: windows of {window} tokens do not fit the {len(tokens)} "
-                            f"{split} tokens of {folder}")
+            raise UserError(
+                f"train.seq_len={t.seq_len}: windows of {window} tokens do not fit the {len(tokens)} "
+                f"{split} tokens of {folder}"
+            )
         num_windows = (len(tokens) - 1) // t.seq_len
         samples = grain.MapDataset.range(num_windows).shuffle(seed=_stream_seed(seed, stream)).repeat()
 
         def rows(window_ids):
             batch = np.empty((len(window_ids), window), np.int32)
             for row, start in enumerate(np.asarray(window_ids) * t.seq_len):
-                batch[row] = tokens[start:start + window]  # slice copies beat a fancy-index gather 3x
+                batch[row] = tokens[start : start + window]  # slice copies beat a fancy-index gather 3x
             return batch
 
-        description = (f"{config.data.source} {split}: {len(tokens):,} tokens, {num_windows:,} windows of {window} "
-                       f"({folder})")
+        description = (
+            f"{config.data.source} {split}: {len(tokens):,} tokens, {num_windows:,} windows of {window} ({folder})"
+        )
     num_batches = t.eval_batches if split == "eval" else None
     if num_batches is not None:
-        samples = samples[:num_batches * t.batch_size]
+        samples = samples[: num_batches * t.batch_size]
     # Global sample s * batch + r is row r of step s: batching by the local size and taking every
     # process_count-th batch gives this process its contiguous rows without touching the others.
     local_batches = samples.batch(local)[process_index::process_count].map(rows)
-    return BatchIterator(local_batches, split=split, local_batch_size=local, seq_len=t.seq_len,
-                         num_batches=num_batches, description=description)
+    return BatchIterator(
+        local_batches,
+        split=split,
+        local_batch_size=local,
+        seq_len=t.seq_len,
+        num_batches=num_batches,
+        description=description,
+    )

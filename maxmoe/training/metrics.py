@@ -49,8 +49,17 @@ def _duration(seconds: float) -> str:
 class MetricsLogger:
     """Writes metric records to JSONL, TensorBoard (optional) and the console."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = False, progress: str = "auto", stream=None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = False,
+        progress: str = "auto",
+        stream=None,
+    ):
         self.enabled = enabled
         self.total_steps = total_steps
         self.start_step = start_step
@@ -104,8 +113,10 @@ class MetricsLogger:
         eta = (r.get("step_time_s") or 0.0) * (self.total_steps - step)
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "nan"
-        text = (f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
-                f"MFU {mfu}  ETA {_duration(eta)}")
+        text = (
+            f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
+            f"MFU {mfu}  ETA {_duration(eta)}"
+        )
         if self.bar:
             width = 24
             filled = int(width * step / max(self.total_steps, 1))

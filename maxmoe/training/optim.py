@@ -19,8 +19,9 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
         after = optax.cosine_decay_schedule(peak, rest, alpha=train.min_lr_ratio)
     elif train.schedule == "wsd":
         decay = max(int(round(rest * train.decay_fraction)), 1)
-        after = optax.join_schedules([optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
-                                     [rest - decay])
+        after = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)], [rest - decay]
+        )
     else:
         after = optax.constant_schedule(peak)
     if warmup == 0:
@@ -36,9 +37,14 @@ def _decays(path, leaf) -> bool:
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping (if train.clip_norm > 0) then AdamW on the schedule."""
-    adamw = optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
-                        weight_decay=train.weight_decay,
-                        mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params))
+    adamw = optax.adamw(
+        learning_rate_schedule(train),
+        b1=train.b1,
+        b2=train.b2,
+        eps=train.eps,
+        weight_decay=train.weight_decay,
+        mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params),
+    )
     if train.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(train.clip_norm), adamw)
     return adamw

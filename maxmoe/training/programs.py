@@ -7,7 +7,8 @@ the CUDA lowering, the mesh sweep and the benchmarks compile the same program.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,9 @@ class Programs:
 
     def abstract_batch(self, config: Config) -> jax.ShapeDtypeStruct:
         """The global batch's shape, for ahead-of-time lowering."""
-        return jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jnp.int32,
-                                    sharding=self.batch_sharding)
+        return jax.ShapeDtypeStruct(
+            (config.train.batch_size, config.train.seq_len + 1), jnp.int32, sharding=self.batch_sharding
+        )
 
 
 def build_programs(config: Config, layout) -> Programs:
@@ -40,13 +42,18 @@ def build_programs(config: Config, layout) -> Programs:
     optimizer = make_optimizer(config.train)
     boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0), boxed=True))
     shardings = layout.tree_shardings(boxed)
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            step_lib.unbox(boxed), shardings)
+    abstract = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), step_lib.unbox(boxed), shardings
+    )
     batch_sharding = layout.sharding(("batch", None))
     init = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=shardings)
-    train_step = jax.jit(step_lib.make_train_step(config, optimizer, layout),
-                         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
-                         donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(config, layout),
-                        in_shardings=(shardings.params, shardings.router, batch_sharding))
+    train_step = jax.jit(
+        step_lib.make_train_step(config, optimizer, layout),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(
+        step_lib.make_eval_step(config, layout), in_shardings=(shardings.params, shardings.router, batch_sharding)
+    )
     return Programs(shardings, abstract, batch_sharding, init, train_step, eval_step, optimizer)

@@ -13,7 +13,8 @@ A step whose loss or gradient norm is not finite leaves the state unchanged and 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -60,8 +61,9 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
 
     def loss_fn(params, router, batch_BT):
         tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
-        (logits, mtp_logits), variables = model.apply({"params": params, "router": router}, tokens,
-                                                      mutable=["moe_stats"])
+        (logits, mtp_logits), variables = model.apply(
+            {"params": params, "router": router}, tokens, mutable=["moe_stats"]
+        )
         lm_loss = cross_entropy(logits, targets)
         t = targets.shape[1]
         mtp_losses = []
@@ -115,6 +117,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
         if accum == 1:
             (loss, aux), grads = grad_fn(state.params, state.router, batch_BT)
         else:
+
             def body(carry, micro):
                 (loss, aux), grads = grad_fn(state.params, state.router, micro)
                 carry = jax.tree.map(jnp.add, carry, (loss, aux, grads))
@@ -128,7 +131,8 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
             aux = {k: (v if k == "moe_stats" else v / accum) for k, v in aux.items()}
             # Loads are summed over micro-batches (global counts); other stats averaged.
             aux["moe_stats"] = jax.tree_util.tree_map_with_path(
-                lambda p, v: v if getattr(p[-1], "key", "") == "load" else v / accum, aux["moe_stats"])
+                lambda p, v: v if getattr(p[-1], "key", "") == "load" else v / accum, aux["moe_stats"]
+            )
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -137,12 +141,22 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         new_state = state.replace(
             step=state.step + 1,  # loop steps, skipped ones included (the optimizer counts updates)
-            params=keep(params, state.params), router=keep(router, state.router),
+            params=keep(params, state.params),
+            router=keep(router, state.router),
             opt_state=keep(opt_state, state.opt_state),
-            bad_steps=jnp.where(ok, 0, state.bad_steps + 1), skipped=state.skipped + jnp.where(ok, 0, 1))
-        metrics = {"loss": loss, "lm_loss": aux["lm_loss"], "mtp_loss": aux["mtp_loss"], "seq_aux": aux["seq_aux"],
-                   "grad_norm": grad_norm, "skipped": new_state.skipped, "bad_steps": new_state.bad_steps,
-                   **balance_metrics(aux["moe_stats"])}
+            bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
+            skipped=state.skipped + jnp.where(ok, 0, 1),
+        )
+        metrics = {
+            "loss": loss,
+            "lm_loss": aux["lm_loss"],
+            "mtp_loss": aux["mtp_loss"],
+            "seq_aux": aux["seq_aux"],
+            "grad_norm": grad_norm,
+            "skipped": new_state.skipped,
+            "bad_steps": new_state.bad_steps,
+            **balance_metrics(aux["moe_stats"]),
+        }
         return new_state, metrics
 
     return train_step
@@ -163,8 +177,9 @@ def unbox(tree):
     return nn.unbox(tree)
 
 
-def init_state(config: Config, optimizer: optax.GradientTransformation, rng: jax.Array, layout: Any = None,
-               boxed: bool = False) -> TrainState:
+def init_state(
+    config: Config, optimizer: optax.GradientTransformation, rng: jax.Array, layout: Any = None, boxed: bool = False
+) -> TrainState:
     """A fresh state; with boxed=True params and optimizer state keep their logical-axis boxes."""
     del layout  # parameters do not depend on the layout; init runs the single-device path
     model = build_model(config.model)
@@ -173,6 +188,12 @@ def init_state(config: Config, optimizer: optax.GradientTransformation, rng: jax
     variables = model.lazy_init(rng, jax.ShapeDtypeStruct((1, 8), jnp.int32))
     params = variables["params"]
     opt_state = optimizer.init(params)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, router=variables["router"], opt_state=opt_state,
-                       bad_steps=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        router=variables["router"],
+        opt_state=opt_state,
+        bad_steps=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+    )
     return state if boxed else nn.unbox(state)
