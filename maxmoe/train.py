@@ -60,9 +60,10 @@ def train(config: Config) -> int:
     import jax
     import numpy as np
 
+    from maxmoe import data
     from maxmoe.flops import flops_per_token, mfu, peak_tflops
     from maxmoe.mesh import build_layout
-    from maxmoe.training import checkpoint, data
+    from maxmoe.training import checkpoint
     from maxmoe.training.metrics import MetricsLogger
     from maxmoe.training.optim import learning_rate_schedule
     from maxmoe.training.programs import build_programs

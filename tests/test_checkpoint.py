@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxmoe import data
 from maxmoe.config import load_config
-from maxmoe.training import checkpoint, data
+from maxmoe.training import checkpoint
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 

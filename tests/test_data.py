@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from maxmoe import data
 from maxmoe.config import UserError, load_config
-from maxmoe.data import main as data_main
-from maxmoe.training import data
+from maxmoe.data.__main__ import main as data_main
 
 REPO = Path(__file__).resolve().parents[1]
 

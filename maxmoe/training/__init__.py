@@ -1,1 +1,1 @@
-"""The training loop's parts: the pure train step, optimizer, data, checkpoints, metrics."""
+"""The training loop's parts: the pure train step, optimizer, checkpoints, metrics."""

@@ -8,7 +8,7 @@
 path), tokenises it (`byte`: byte b -> token b with EOS 257 and vocabulary 260; or a
 Hugging Face tokenizer.json, which needs the `tokenizers` package), holds out whole
 documents for eval (--eval-fraction) and writes `train.bin`, `eval.bin` and `meta.json`
-(format in maxmoe.training.data). Train with `data.source=shards data.path=OUT`.
+(format in maxmoe.data.token_folder). Train with `data.source=shards data.path=OUT`.
 """
 
 from __future__ import annotations
@@ -20,19 +20,21 @@ from pathlib import Path
 
 import numpy as np
 
-from maxmoe.cli import main_guard
+from maxmoe.cli import _Parser, main_guard
 from maxmoe.config import UserError
-from maxmoe.training import data
+from maxmoe.data import (
+    BOS_ID,
+    BYTE_VOCAB_SIZE,
+    EOS_ID,
+    PAD_ID,
+    byte_tokens,
+    read_meta,
+    stdlib_corpus,
+    write_token_folder,
+)
 
 # Names of end-of-document tokens in common tokenizers, tried in order when --eos-token is not given.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<｜end▁of▁sentence｜>", "[SEP]")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors become UserError (one line, exit status 2)."""
-
-    def error(self, message):  # noqa: D102 - argparse hook
-        raise UserError(message)
 
 
 def _input_files(patterns: list[str]) -> list[str]:
@@ -51,10 +53,10 @@ def _tokenizer(spec: str, eos_token: str):
         if eos_token:
             raise UserError("--eos-token applies to a tokenizer.json; the byte tokenizer's EOS is 257")
         return (
-            lambda path: data.byte_tokens(Path(path).read_bytes()),
-            data.BYTE_VOCAB_SIZE,
-            data.EOS_ID,
-            {"tokenizer": "byte", "bos_id": data.BOS_ID, "pad_id": data.PAD_ID},
+            lambda path: byte_tokens(Path(path).read_bytes()),
+            BYTE_VOCAB_SIZE,
+            EOS_ID,
+            {"tokenizer": "byte", "bos_id": BOS_ID, "pad_id": PAD_ID},
         )
     if not Path(spec).is_file():
         raise UserError(f"--tokenizer {spec}: expected 'byte' or the path of a tokenizer.json file")
@@ -86,7 +88,7 @@ def prepare(args: argparse.Namespace) -> None:
         raise UserError(f"--out {out} already exists; remove it or choose another folder")
     files = _input_files(args.input)
     encode, vocab_size, eos_id, info = _tokenizer(args.tokenizer, args.eos_token)
-    meta = data.write_token_folder(
+    meta = write_token_folder(
         out,
         files,
         encode,
@@ -110,6 +112,7 @@ def _print_stats(folder: Path, meta: dict) -> None:
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
+    """`python -m maxmoe.data prepare|stats`; returns the exit status."""
     parser = _Parser(prog="python -m maxmoe.data", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
     make = commands.add_parser("prepare", help="tokenise files into a token folder")
@@ -136,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             prepare(args)
         else:
-            folder = Path(args.path) if args.path else data.stdlib_corpus(args.cache_dir, 0.05)
-            _print_stats(folder, data.read_meta(folder))
+            folder = Path(args.path) if args.path else stdlib_corpus(args.cache_dir, 0.05)
+            _print_stats(folder, read_meta(folder))
     except OSError as e:
         raise UserError(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None
     return 0

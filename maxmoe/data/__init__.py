@@ -1,0 +1,55 @@
+"""Token batches for training and evaluation: synthetic, the built-in stdlib corpus, token folders.
+
+    make_dataset(config, split="train", process_index=p, process_count=P) -> BatchIterator
+
+yields numpy int32 arrays [train.batch_size / P, train.seq_len + 1] (inputs are row[:-1],
+targets row[1:]). Every batch is a pure function of (train.seed, step, global row): process
+p gets rows [p * b, (p + 1) * b) of the global batch, so the data a run sees does not depend
+on the mesh shape or the process count, and each process reads only its own rows.
+
+Sources (`data.source`):
+- synthetic: uniform random tokens in [0, model.vocab_size), for benchmarks.
+- stdlib: the running Python's standard library, byte-level (see `stdlib_files`), cached
+  once under data.cache_dir (default ~/.cache/maxmoe) as a token folder.
+- shards: a token folder made by `python -m maxmoe.data prepare` (data.path).
+
+Modules: `byte_tokenizer` (byte-level vocabulary), `token_folder` (the on-disk format),
+`stdlib` (the built-in corpus), `batches` (the grain pipeline), `__main__` (the
+`python -m maxmoe.data prepare|stats` command).
+"""
+
+from maxmoe.data.batches import BatchIterator, data_folder, make_dataset, vocab_size_of
+from maxmoe.data.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokens, decode_bytes
+from maxmoe.data.stdlib import STDLIB_SKIP_DIRS, stdlib_corpus, stdlib_files
+from maxmoe.data.token_folder import (
+    FORMAT,
+    FORMAT_VERSION,
+    eval_documents,
+    load_tokens,
+    read_meta,
+    token_dtype,
+    write_token_folder,
+)
+
+__all__ = [
+    "BOS_ID",
+    "BYTE_VOCAB_SIZE",
+    "EOS_ID",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "PAD_ID",
+    "STDLIB_SKIP_DIRS",
+    "BatchIterator",
+    "byte_tokens",
+    "data_folder",
+    "decode_bytes",
+    "eval_documents",
+    "load_tokens",
+    "make_dataset",
+    "read_meta",
+    "stdlib_corpus",
+    "stdlib_files",
+    "token_dtype",
+    "vocab_size_of",
+    "write_token_folder",
+]
