@@ -447,10 +447,3 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
                 f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} = {micro} sequences "
                 f"per micro-batch is not divisible by mesh.data x mesh.expert = {shards}"
             )
-
-
-def dtype_of(name: str):
-    """The jax dtype for a config dtype name."""
-    import jax.numpy as jnp
-
-    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
