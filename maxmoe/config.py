@@ -234,7 +234,6 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_CLASSES = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 

@@ -176,7 +176,7 @@ def read_checkpoint(run_dir, step, *overrides):
     config = tiny_config(run_dir, *overrides)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_state(config))
-    saver = checkpoint.Checkpointer(config, Path(run_dir), is_main=True)
+    saver = checkpoint.Checkpointer(config, Path(run_dir))
     saver._open()  # noqa: SLF001 - a test reads a chosen step, not the latest
     restored = saver._manager.restore(
         step,
@@ -306,7 +306,7 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
     poisoned = state.replace(
         params={**state.params, "embed": {**state.params["embed"], "embedding": table.at[token].set(jnp.nan)}}
     )
-    saver = checkpoint.Checkpointer(config, tmp_path / "run", is_main=True)
+    saver = checkpoint.Checkpointer(config, tmp_path / "run")
     saver.save(4, poisoned, position, force=True)
     saver.close()
 
