@@ -19,6 +19,12 @@ from typing import Any
 
 import yaml
 
+# Names other modules import rather than spell out again.
+MESH_AXES = ("data", "expert", "tensor")  # outermost (spans scale-up domains) to innermost
+DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
+GROUPED_MATMUL_BACKENDS = ("ragged_dot", "dense_loop")  # maxmoe.parallel.grouped_matmul
+XLA_PROFILES = ("h100", "h200", "b200", "gb200", "gb300")  # GPU systems with a flag profile (maxmoe.xla_flags)
+
 
 class UserError(Exception):
     """An error caused by the user's input; reported as one line, exit status 2."""
@@ -81,10 +87,10 @@ class ModelConfig:
 class MoEConfig:
     """Expert dispatch and load balancing."""
 
-    dispatch: str = _field("auto", choices=("auto", "ragged_a2a", "allgather", "capacity"))
+    dispatch: str = _field("auto", choices=("auto",) + DISPATCH_STRATEGIES)
     capacity_factor: float = _field(1.25, gt=0, doc="capacity dispatch: slots per expert / even share")
     buffer_factor: float = _field(0.0, ge=0, doc="0: dropless receive buffers; >0 bounds them")
-    grouped_matmul: str = _field("ragged_dot", choices=("ragged_dot", "dense_loop"))
+    grouped_matmul: str = _field("ragged_dot", choices=GROUPED_MATMUL_BACKENDS)
     emulate_ragged_a2a: str = _field(
         "auto", choices=("auto", "true", "false"), doc="auto: emulate where the backend lacks ragged all-to-all"
     )
@@ -188,7 +194,7 @@ class RunConfig:
 class XlaConfig:
     """XLA flag profiles (maxmoe.xla_flags)."""
 
-    profile: str = _field("auto", choices=("auto", "none", "h100", "h200", "b200", "gb200", "gb300"))
+    profile: str = _field("auto", choices=("auto", "none") + XLA_PROFILES)
     extra_flags: list = _field([], doc="more XLA flags, e.g. ['--xla_gpu_enable_command_buffer=']")
 
 
@@ -228,7 +234,6 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_CLASSES = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 
@@ -390,17 +395,18 @@ def validate(config: Config) -> None:
         )
     if m.qk_rope_head_dim % 2:
         raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
-    for axis in ("data", "expert", "tensor"):
+    for axis in MESH_AXES:
         size = getattr(mesh, axis)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size}: must be a positive size or -1 (fill)")
-    if sum(getattr(mesh, a) == -1 for a in ("data", "expert", "tensor")) > 1:
+    if sum(getattr(mesh, a) == -1 for a in MESH_AXES) > 1:
         raise ConfigError("only one of mesh.data, mesh.expert, mesh.tensor may be -1")
     for logical, axes in mesh.rules.items():
         if logical not in DEFAULT_RULES:
             raise _unknown(f"mesh.rules.{logical}", [f"mesh.rules.{k}" for k in DEFAULT_RULES])
-        if not isinstance(axes, (list, tuple)) or any(a not in ("data", "expert", "tensor", "fsdp") for a in axes):
-            raise ConfigError(f"mesh.rules.{logical}={axes!r}: expected a list of data, expert, tensor, fsdp")
+        allowed = MESH_AXES + ("fsdp",)
+        if not isinstance(axes, (list, tuple)) or any(a not in allowed for a in axes):
+            raise ConfigError(f"mesh.rules.{logical}={axes!r}: expected a list of {', '.join(allowed)}")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     if config.data.source == "shards" and not config.data.path:
@@ -417,7 +423,7 @@ def validate(config: Config) -> None:
 
 def mesh_sizes(config: Config) -> dict[str, int]:
     """The configured mesh sizes; -1 stays -1 until devices are known (maxmoe.mesh resolves it)."""
-    return {a: getattr(config.mesh, a) for a in ("data", "expert", "tensor")}
+    return {a: getattr(config.mesh, a) for a in MESH_AXES}
 
 
 def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
@@ -440,10 +446,3 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
                 f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} = {micro} sequences "
                 f"per micro-batch is not divisible by mesh.data x mesh.expert = {shards}"
             )
-
-
-def dtype_of(name: str):
-    """The jax dtype for a config dtype name."""
-    import jax.numpy as jnp
-
-    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]

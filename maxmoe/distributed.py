@@ -31,7 +31,10 @@ import socket
 import time
 from collections.abc import Mapping
 
+import jax
+
 from maxmoe.config import DistConfig, UserError
+from maxmoe.xla_flags import detect_gpu_name
 
 
 def _int_env(environ: Mapping[str, str], key: str) -> int | None:
@@ -75,8 +78,6 @@ def auto_arguments(environ: Mapping[str, str] | None = None) -> dict:
 
 def _cpu_only() -> bool:
     """Whether this process will run on CPU only (decided before the backend starts)."""
-    from maxmoe.xla_flags import detect_gpu_name
-
     platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if platforms:
         return all(p == "cpu" for p in platforms)
@@ -114,8 +115,6 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
 
 def initialize(dist_config: DistConfig) -> None:
     """Start JAX's multi-controller runtime as `dist_config.mode` says (see the module doc)."""
-    import jax
-
     if dist_config.mode == "none":
         return
     if dist_config.mode == "explicit":
@@ -151,10 +150,3 @@ def initialize(dist_config: DistConfig) -> None:
             f"jax.distributed.initialize failed ({launcher}, coordinator {where}, "
             f"timeout {dist_config.timeout_s}s): {detail}"
         ) from None
-
-
-def is_main_process() -> bool:
-    """True on process 0, the one that writes logs, metrics and run files."""
-    import jax
-
-    return jax.process_index() == 0

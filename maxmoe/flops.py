@@ -1,7 +1,8 @@
 """Parameter counts, model FLOPs per token, and the hardware peak table for MFU.
 
-Counts come from the model's own abstract parameters (jax.eval_shape; nothing is
-allocated), so they cannot drift from the code. FLOPs follow the usual convention:
+Counts are closed forms in the model config, module by module, so this needs neither the
+model nor jax; tests/test_info.py holds them equal to the model's own parameter shapes.
+FLOPs follow the usual convention:
 
     flops_per_token = 6 * (active matmul parameters of the main model, output head included,
                            embedding lookup excluded)
@@ -16,11 +17,6 @@ Activated experts: top-k routed experts + shared experts of each MoE layer.
 """
 
 from __future__ import annotations
-
-import math
-
-import flax.linen as nn
-import jax
 
 from maxmoe.config import ModelConfig
 
@@ -37,35 +33,30 @@ PEAK_TFLOPS_BF16 = {
 def peak_tflops(device_kind: str) -> float | None:
     """Datasheet dense bf16 peak for a jax device_kind string, or None if unknown."""
     kind = device_kind.lower().replace(" ", "").replace("-", "")
-    for name in ("gb300", "gb200", "b200", "h200", "h100"):
+    for name in sorted(PEAK_TFLOPS_BF16, key=len, reverse=True):  # gb200 before b200, which it contains
         if name in kind:
             return PEAK_TFLOPS_BF16[name]
     return None
 
 
-def abstract_params(model: ModelConfig):
-    """Shapes of all variables (no allocation)."""
-    from maxmoe.model.transformer import init_variables
-
-    return jax.eval_shape(lambda: nn.unbox(init_variables(model, jax.random.key(0))))
-
-
-def _size(tree) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-
-
-def count_params(model: ModelConfig) -> dict[str, int]:
+def count_params(m: ModelConfig) -> dict[str, int]:
     """Trainable parameter counts: params_total (main model), params_mtp (MTP modules beyond the
     shared embedding and head), params_active (per token, main model, embedding and head included).
 
     Router correction biases are state, not parameters, and are not counted (nor are they in
     the published 671B figure)."""
-    params = abstract_params(model)["params"]
-    mtp = _size({k: v for k, v in params.items() if k.startswith("mtp_")})
-    total = _size(params) - mtp
-    moe_layers = model.num_layers - model.first_k_dense
-    per_expert = 3 * model.hidden_size * model.moe_mlp_dim
-    inactive = moe_layers * (model.num_experts - model.experts_per_token) * per_expert
+    d = m.hidden_size
+    latent_norms = m.q_lora_rank + m.kv_lora_rank  # q_norm (absent with q_lora_rank 0) and kv_norm scales
+    layer = 2 * d + _attention_params(m) + latent_norms  # attn_norm, mlp_norm, attention
+    dense_layer = layer + 3 * d * m.mlp_dim
+    expert = 3 * d * m.moe_mlp_dim
+    moe_layer = layer + d * m.num_experts + (m.num_experts + m.num_shared_experts) * expert  # router, experts
+    moe_layers = m.num_layers - m.first_k_dense
+    embedding_and_head = 2 * m.vocab_size * d
+    total = embedding_and_head + m.first_k_dense * dense_layer + moe_layers * moe_layer + d  # final_norm
+    # Each depth: emb_norm, hidden_norm, out_norm, w_proj [2D, D] and one MoE layer.
+    mtp = m.mtp_num_layers * (3 * d + 2 * d * d + moe_layer)
+    inactive = moe_layers * (m.num_experts - m.experts_per_token) * expert
     return {"params_total": total, "params_mtp": mtp, "params_active": total - inactive}
 
 

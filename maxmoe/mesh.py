@@ -28,14 +28,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxmoe.config import DEFAULT_RULES, Config, ConfigError, check_mesh_fits
-
-AXES = ("data", "expert", "tensor")
+from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config, ConfigError, check_mesh_fits
+from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
 
 
 def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
     """Mesh sizes for `num_devices`, filling the one -1 axis; checks the product and divisibility."""
-    sizes = {a: getattr(config.mesh, a) for a in AXES}
+    sizes = {a: getattr(config.mesh, a) for a in MESH_AXES}
     fixed = math.prod(s for s in sizes.values() if s != -1)
     fill = [a for a, s in sizes.items() if s == -1]
     if fill:
@@ -91,7 +90,7 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
         if not config.mesh.allow_cross_domain:
             raise ConfigError(message + " (set mesh.allow_cross_domain=true to build it anyway)")
         warnings.warn(message, stacklevel=2)
-    return Mesh(grid, AXES)
+    return Mesh(grid, MESH_AXES)
 
 
 def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
@@ -178,8 +177,6 @@ def build_layout(config: Config, devices: Sequence[Any] | None = None, platform:
     rules = resolve_rules(config)
     plan = None
     if mesh.size > 1:
-        from maxmoe.parallel.dispatch import make_dispatch_plan
-
         plan = make_dispatch_plan(
             mesh,
             config.moe,
@@ -188,12 +185,7 @@ def build_layout(config: Config, devices: Sequence[Any] | None = None, platform:
             tensor_axis="tensor",
             platform=platform,
             weight_specs={
-                name: logical_to_spec(axes, rules, dict(mesh.shape))
-                for name, axes in (
-                    ("w_gate", ("expert", "embed", "expert_mlp")),
-                    ("w_up", ("expert", "embed", "expert_mlp")),
-                    ("w_down", ("expert", "expert_mlp", "embed")),
-                )
+                name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in EXPERT_WEIGHT_AXES.items()
             },
         )
     return Layout(mesh, rules, plan)

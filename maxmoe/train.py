@@ -70,7 +70,7 @@ def train(config: Config) -> int:
 
     is_main = jax.process_index() == 0
     run_dir = Path(config.run.dir)
-    ckpt = checkpoint.Checkpointer(config, run_dir, is_main=is_main)
+    ckpt = checkpoint.Checkpointer(config, run_dir)
     ckpt.check_start()
 
     try:

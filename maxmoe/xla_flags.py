@@ -28,13 +28,13 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
-from maxmoe.config import Config, ConfigError, UserError
+from maxmoe.config import XLA_PROFILES, Config, ConfigError, UserError
 
-GPU_PROFILES = ("h100", "h200", "b200", "gb200", "gb300")
-PROFILES = ("auto", "none") + GPU_PROFILES
+PROFILES = ("auto", "none") + XLA_PROFILES
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -216,7 +216,7 @@ def resolve_profile(name: str, device_kind: str | None = None) -> str:
     if found is None:
         warnings.warn(
             f"xla.profile=auto: no XLA flag profile for GPU {kind!r}; using none "
-            f"(set xla.profile to one of {', '.join(GPU_PROFILES)} to choose one)",
+            f"(set xla.profile to one of {', '.join(XLA_PROFILES)} to choose one)",
             stacklevel=2,
         )
         return "none"
@@ -263,8 +263,6 @@ def compose(existing_xla_flags: str, profile: str, extra_flags: list[str]) -> st
 
 def backends_initialised() -> bool:
     """Whether JAX has already created a backend (after which XLA_FLAGS is ignored)."""
-    import sys
-
     if "jax" not in sys.modules:  # nothing can have started; do not import jax for the question
         return False
     try:

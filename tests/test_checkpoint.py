@@ -28,13 +28,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from maxmoe import data
 from maxmoe.config import load_config
+from maxmoe.mesh import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
+from maxmoe.training.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -166,8 +169,7 @@ def tiny_config(run_dir, *overrides):
 
 
 def abstract_state(config):
-    optimizer = make_optimizer(config.train)
-    return step_lib.unbox(jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0))))
+    return step_lib.abstract_state(config, make_optimizer(config.train))
 
 
 def read_checkpoint(run_dir, step, *overrides):
@@ -175,10 +177,8 @@ def read_checkpoint(run_dir, step, *overrides):
     config = tiny_config(run_dir, *overrides)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_state(config))
-    saver = checkpoint.Checkpointer(config, Path(run_dir), is_main=True)
+    saver = checkpoint.Checkpointer(config, Path(run_dir))
     saver._open()  # noqa: SLF001 - a test reads a chosen step, not the latest
-    import orbax.checkpoint as ocp
-
     restored = saver._manager.restore(
         step,
         args=ocp.args.Composite(  # noqa: SLF001
@@ -307,7 +307,7 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
     poisoned = state.replace(
         params={**state.params, "embed": {**state.params["embed"], "embedding": table.at[token].set(jnp.nan)}}
     )
-    saver = checkpoint.Checkpointer(config, tmp_path / "run", is_main=True)
+    saver = checkpoint.Checkpointer(config, tmp_path / "run")
     saver.save(4, poisoned, position, force=True)
     saver.close()
 
@@ -358,17 +358,10 @@ def test_consecutive_bad_steps_stop_the_run_with_one_line_and_a_checkpoint(strai
 
 
 def test_load_params_restores_onto_another_mesh(straight, tmp_path):
-    from maxmoe.mesh import build_layout
-
     config = tiny_config(tmp_path, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2")
-    layout = build_layout(config)
-    optimizer = make_optimizer(config.train)
-    boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0), boxed=True))
-    shardings = layout.tree_shardings(boxed)
-    target = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), step_lib.unbox(boxed), shardings
-    )
-    loaded = checkpoint.load_params(str(straight), target)
+    programs = build_programs(config, build_layout(config))
+    shardings = programs.state_shardings
+    loaded = checkpoint.load_params(str(straight), programs.abstract_state)
     reference, _ = read_checkpoint(straight, 8)
     assert_trees_equal(loaded, {"params": reference.params, "router": reference.router})
     for array, sharding in zip(
@@ -379,7 +372,7 @@ def test_load_params_restores_onto_another_mesh(straight, tmp_path):
 
     # save_params -> load_params round trip (the HF converter's path into checkpoint.init_from).
     checkpoint.save_params(tmp_path / "converted", reference.params, reference.router, config)
-    assert_trees_equal(checkpoint.load_params(str(tmp_path / "converted"), target), loaded)
+    assert_trees_equal(checkpoint.load_params(str(tmp_path / "converted"), programs.abstract_state), loaded)
 
 
 @pytest.mark.parametrize("case", ["resume_off", "garbled", "truncated", "other_model"])

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from maxmoe.config import GROUPED_MATMUL_BACKENDS
 from maxmoe.parallel.collectives import has_native_ragged_all_to_all, ragged_all_to_all
 from maxmoe.parallel.grouped_matmul import grouped_matmul
 
@@ -348,7 +349,7 @@ def test_grouped_matmul_backends_match_numpy(case):
     x = rng.standard_normal((16, 8)).astype(np.float32)
     w = rng.standard_normal((4, 8, 5)).astype(np.float32)
     want = numpy_grouped_matmul(x, w, group_sizes)
-    for backend in ("ragged_dot", "dense_loop"):
+    for backend in GROUPED_MATMUL_BACKENDS:
         got = jax.jit(grouped_matmul, static_argnames="backend")(x, w, group_sizes, backend=backend)
         assert got.dtype == jnp.float32 and got.shape == (16, 5)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0, err_msg=backend)

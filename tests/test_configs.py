@@ -2,13 +2,23 @@
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from maxmoe.config import Config, ConfigError, ModelConfig, load_config
+from maxmoe.config import (
+    DISPATCH_STRATEGIES,
+    GROUPED_MATMUL_BACKENDS,
+    XLA_PROFILES,
+    Config,
+    ConfigError,
+    ModelConfig,
+    load_config,
+)
+from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -208,3 +218,26 @@ def test_cli_other_bad_input_is_one_line_exit_2(args, fragment):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("maxmoe: error:") and fragment in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _spelled_out(names) -> re.Pattern:
+    """The names as a literal sequence in source: "a", "b", ... (either quote, any spacing)."""
+    return re.compile(r"\s*,\s*".join(f"[\"']{re.escape(name)}[\"']" for name in names))
+
+
+@pytest.mark.parametrize(
+    "names, home",
+    [
+        (DISPATCH_STRATEGIES, "config.py"),
+        (GROUPED_MATMUL_BACKENDS, "config.py"),
+        (XLA_PROFILES, "config.py"),
+        (EXPERT_WEIGHT_AXES["w_gate"], "parallel/dispatch.py"),
+        (EXPERT_WEIGHT_AXES["w_down"], "parallel/dispatch.py"),
+    ],
+)
+def test_shared_names_are_written_once(names, home):
+    """Name lists other modules need are imported from one place, never spelled out again."""
+    pattern = _spelled_out(names)
+    package = REPO / "maxmoe"
+    writers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if pattern.search(p.read_text()))
+    assert writers == [home]

@@ -12,14 +12,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import traverse_util
 
 pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from maxmoe.config import ModelConfig, UserError  # noqa: E402
+from maxmoe.config import ModelConfig, UserError, load_config  # noqa: E402
 from maxmoe.convert import fp8, hf  # noqa: E402
 from maxmoe.convert.__main__ import main as convert_main  # noqa: E402
-from maxmoe.model.transformer import build_model  # noqa: E402
+from maxmoe.model import transformer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "hf_tiny_deepseek_v3"
@@ -55,12 +56,12 @@ def write_hf_folder(folder: Path, tensors: dict, config_updates: dict | None = N
 
 def forward(model_config, variables, tokens):
     """(logits, mtp_logits) of the maxmoe model, jitted (one compile instead of op-by-op dispatch)."""
-    apply = jax.jit(lambda v, t: build_model(model_config).apply(v, t, mutable=["moe_stats"])[0])
+    apply = jax.jit(lambda v, t: transformer.build_model(model_config).apply(v, t, mutable=["moe_stats"])[0])
     return apply(variables, tokens)
 
 
 def assert_trees_equal(a, b):
-    flat_a, flat_b = hf._flatten(a), hf._flatten(b)
+    flat_a, flat_b = traverse_util.flatten_dict(a), traverse_util.flatten_dict(b)
     assert flat_a.keys() == flat_b.keys()
     for key in flat_a:
         x, y = np.asarray(flat_a[key]), np.asarray(flat_b[key])
@@ -81,9 +82,6 @@ def test_imported_logits_match_transformers(golden):
 
 
 def test_checkpoint_logits_match_and_config_yaml_is_a_train_config(imported, golden):
-    from maxmoe.config import load_config
-    from maxmoe.model import transformer
-
     out, model, _ = imported
     config = load_config([str(out / "config.yaml")], ["model.compute_dtype=float32"])
     assert config.model == dataclasses.replace(model, compute_dtype="float32")
@@ -127,7 +125,7 @@ def test_sharded_bfloat16_export_reimports(imported, tmp_path):
 def test_plain_query_no_shared_experts_no_mtp_round_trip(tmp_path):
     m = ModelConfig(q_lora_rank=0, num_shared_experts=0, mtp_num_layers=0, rope_scaling="none", num_layers=2)
     rng = np.random.default_rng(1)  # random values for every slot; the model itself is not run
-    variables = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), hf.abstract_variables(m))
+    variables = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), transformer.abstract_variables(m))
     hf.export_hf(m, variables, tmp_path / "hf", dtype="float32")
     assert "model.layers.0.self_attn.q_proj.weight" in load_file(str(tmp_path / "hf" / "model.safetensors"))
     m2, again = hf.import_hf(tmp_path / "hf")

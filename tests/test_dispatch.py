@@ -22,11 +22,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxmoe.config import MoEConfig, load_config
+from maxmoe.config import DISPATCH_STRATEGIES as STRATEGIES
+from maxmoe.config import GROUPED_MATMUL_BACKENDS, MESH_AXES, MoEConfig, load_config
 from maxmoe.mesh import build_layout
 from maxmoe.parallel.dispatch import DispatchPlan, local_routed_experts, make_dispatch_plan, routed_experts
 
-STRATEGIES = ("ragged_a2a", "allgather", "capacity")
 MESHES = ((1, 8, 1), (2, 4, 1), (2, 2, 2), (4, 2, 1))
 WEIGHT_SPECS = {
     "w_gate": P("expert", None, "tensor"),
@@ -39,7 +39,7 @@ D, F = 8, 4
 
 
 def make_mesh(shape):
-    return Mesh(np.array(jax.devices()).reshape(shape), ("data", "expert", "tensor"))
+    return Mesh(np.array(jax.devices()).reshape(shape), MESH_AXES)
 
 
 def make_plan(mesh, strategy, **moe):
@@ -130,7 +130,7 @@ def loop_over_experts(x_ND, ids_NK, weights_NK, w_gate, w_up, w_down):
     return y
 
 
-@pytest.mark.parametrize("backend", ["ragged_dot", "dense_loop"])
+@pytest.mark.parametrize("backend", GROUPED_MATMUL_BACKENDS)
 def test_local_routed_experts_matches_loop_over_experts(backend):
     x, ids, weights, w_gate, w_up, w_down, _ = random_problem(0, 3, 7, 8, 3)
     args = (x.reshape(21, D), ids.reshape(21, 3), weights.reshape(21, 3), w_gate, w_up, w_down)

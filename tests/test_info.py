@@ -1,5 +1,5 @@
 """Parameter counts and FLOPs: the published DeepSeek-V3 figures, a hand count from the
-architecture numbers, and the initialised parameters of the tiny model."""
+architecture numbers, and the parameter shapes of the model itself."""
 
 import json
 import math
@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import pytest
 
 from maxmoe.config import load_config
+from maxmoe.convert.hf_config import model_config_from_hf
 from maxmoe.flops import count_params, flops_per_token
+from maxmoe.model.transformer import abstract_variables
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,14 +145,25 @@ def test_flops_per_token_hand_count_671b():
     assert flops_per_token(model, t) == pytest.approx(6 * (main + mtp) + core, rel=1e-12)
 
 
-def test_tiny_count_params_equals_initialised_params():
-    from maxmoe.model.transformer import build_model
+def _model(name):
+    if name == "hf_fixture":
+        path = REPO / "tests/fixtures/hf_tiny_deepseek_v3/config.json"
+        return model_config_from_hf(json.loads(path.read_text()), str(path))
+    if name == "tiny_plain_query":  # no query latent (no q_norm), two shared experts
+        return load_config(
+            [str(REPO / "configs/tiny.yaml")], ["model.q_lora_rank=0", "model.num_shared_experts=2"]
+        ).model
+    if name == "tiny_bare":  # no dense layers, no shared experts, no MTP
+        overrides = ["model.first_k_dense=0", "model.num_shared_experts=0", "model.mtp_num_layers=0"]
+        return load_config([str(REPO / "configs/tiny.yaml")], overrides).model
+    return load_config([str(REPO / "configs" / f"{name}.yaml")]).model
 
-    model = load_config([str(REPO / "configs/tiny.yaml")]).model
-    # The shapes of a real init, traced without running it (compiling the random init costs ~20 s on CPU).
-    variables = jax.eval_shape(
-        lambda: nn.unbox(build_model(model).init(jax.random.key(0), jax.numpy.zeros((2, 16), jax.numpy.int32)))
-    )
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_plain_query", "tiny_bare", "hf_fixture", "deepseek_v3_671b"])
+def test_count_params_equals_the_models_parameters(name):
+    """The closed forms against the shapes the model itself creates (traced, nothing allocated)."""
+    model = _model(name)
+    variables = abstract_variables(model)
     params = variables["params"]
     main = {k: v for k, v in params.items() if not k.startswith("mtp_")}
     mtp = {k: v for k, v in params.items() if k.startswith("mtp_")}
@@ -159,13 +171,13 @@ def test_tiny_count_params_equals_initialised_params():
     got = count_params(model)
     assert got["params_total"] == size(main)
     assert got["params_mtp"] == size(mtp)
-    assert mtp, "tiny.yaml has one MTP depth"
+    assert bool(mtp) == (model.mtp_num_layers > 0)
     # Router biases are state in their own collection, not parameters.
-    assert (
-        "router" in variables
-        and size(variables["router"])
-        == (model.num_layers - model.first_k_dense + model.mtp_num_layers) * model.num_experts
+    assert size(variables["router"]) == (model.num_layers - model.first_k_dense + model.mtp_num_layers) * (
+        model.num_experts
     )
     expert = 3 * model.hidden_size * model.moe_mlp_dim
     inactive = (model.num_layers - model.first_k_dense) * (model.num_experts - model.experts_per_token) * expert
     assert got["params_active"] == size(main) - inactive
+    if name == "deepseek_v3_671b":
+        assert (got["params_total"], got["params_active"]) == (671_026_404_352, 37_552_282_624)

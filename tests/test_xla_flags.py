@@ -4,10 +4,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from maxmoe import xla_flags
-from maxmoe.config import ConfigError, UserError, load_config
+from maxmoe.config import XLA_PROFILES, ConfigError, UserError, load_config
 
 # A tiny jit: XLA parses XLA_FLAGS when the backend starts and aborts on an unknown flag
 # or a value it cannot parse, so exit status 0 means every flag was accepted.
@@ -24,17 +25,17 @@ def _start_xla(flags: list[str]) -> subprocess.Popen:
 
 def test_every_gpu_profile_flag_is_accepted_by_xla():
     # One process per profile, all at once; plus a bogus flag proving the method can fail.
-    runs = {name: _start_xla(xla_flags.profile_flags(name)) for name in xla_flags.GPU_PROFILES}
+    runs = {name: _start_xla(xla_flags.profile_flags(name)) for name in XLA_PROFILES}
     runs["(bogus flag)"] = _start_xla(["--xla_gpu_no_such_flag_for_maxmoe=true"])
     results = {name: (proc.wait(timeout=120), proc.stdout.read()) for name, proc in runs.items()}
-    for name in xla_flags.GPU_PROFILES:
+    for name in XLA_PROFILES:
         code, output = results[name]
         assert code == 0, f"profile {name}: XLA rejected its flags:\n{output[-2000:]}"
     code, output = results["(bogus flag)"]
     assert code != 0 and "Unknown flag" in output
 
 
-@pytest.mark.parametrize("name", xla_flags.GPU_PROFILES)
+@pytest.mark.parametrize("name", XLA_PROFILES)
 def test_profiles_are_documented_and_unique(name):
     pairs = xla_flags.describe(name)
     assert pairs and all(reason.strip() for _, reason in pairs)
@@ -149,8 +150,6 @@ def test_apply_sets_environment_before_backend(monkeypatch):
 
 def test_apply_after_backend_start_is_an_error_unless_nothing_changes(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    import jax
-
     jax.devices()  # the test session's backend is up
     assert xla_flags.backends_initialised()
     with pytest.raises(UserError, match="before JAX starts its backends"):

@@ -54,14 +54,24 @@ import json
 import math
 import shutil
 import struct
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from flax import traverse_util
 
 from maxmoe.config import Config, ModelConfig, UserError, build_config
+from maxmoe.convert.fp8 import dequantize_fp8_blockwise, scale_grid_shape
 from maxmoe.convert.hf_config import hf_config_from_model, model_config_from_hf
+from maxmoe.model.transformer import abstract_variables
+from maxmoe.training.checkpoint import load_params, save_params
 
 SCRATCH_MIN_BYTES = 64 << 20  # output arrays at least this big are memory-mapped when a scratch folder is given
 DEFAULT_SHARD_BYTES = 5 << 30
@@ -71,8 +81,6 @@ _DTYPES = {"float32": np.float32, "bfloat16": "bfloat16"}
 def _np_dtype(name: str) -> np.dtype:
     if name not in _DTYPES:
         raise UserError(f"dtype {name!r}: allowed values are float32, bfloat16")
-    import ml_dtypes
-
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float32)
 
 
@@ -288,8 +296,6 @@ class _Source:
 
 def _validate(source: _Source, tensors: list[Tensor], block: tuple[int, int]) -> None:
     """Every expected tensor present with its shape, nothing unknown; one line naming the first problem."""
-    from maxmoe.convert.fp8 import scale_grid_shape
-
     expected = {t.name: t.shape for t in tensors}
     for name in expected:
         if name not in source.shape:
@@ -310,38 +316,6 @@ def _validate(source: _Source, tensors: list[Tensor], block: tuple[int, int]) ->
             raise UserError(f"tensor {name} has shape {list(shape)}, expected {list(expected[name])}")
         if source.dtype[name].startswith("F8") and name + "_scale_inv" not in source.shape:
             raise UserError(f"tensor {name} is {source.dtype[name]} but {name}_scale_inv is missing")
-
-
-def abstract_variables(m: ModelConfig) -> dict:
-    """{'params': ..., 'router': ...} of jax.ShapeDtypeStruct (unboxed, no sharding) for the config."""
-    import flax.linen as nn
-    import jax
-
-    from maxmoe.model.transformer import init_variables
-
-    boxed = jax.eval_shape(lambda: init_variables(m, jax.random.key(0), batch=1, seq=2))
-    unboxed = nn.unbox(boxed)
-    return {"params": unboxed["params"], "router": unboxed.get("router", {})}
-
-
-def _flatten(tree: dict, prefix: tuple = ()) -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, prefix + (key,)))
-        else:
-            out[prefix + (key,)] = value
-    return out
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
 
 
 def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None = None) -> tuple[ModelConfig, dict]:
@@ -366,15 +340,11 @@ def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None =
     source = _Source(folder)
     _validate(source, tensors, block)
 
-    targets = {
-        (coll,) + path: leaf for coll, tree in abstract_variables(m).items() for path, leaf in _flatten(tree).items()
-    }
+    targets = traverse_util.flatten_dict(abstract_variables(m))  # (collection, *path) -> ShapeDtypeStruct
     outputs, filled = {}, dict.fromkeys(targets, 0)
     for tensor in tensors:
         weight = source.read(tensor.name)
         if source.dtype[tensor.name].startswith("F8"):
-            from maxmoe.convert.fp8 import dequantize_fp8_blockwise
-
             weight = dequantize_fp8_blockwise(weight, source.read(tensor.name + "_scale_inv"), block)
         for collection, path, index, value in tensor.split(weight):
             key = (collection,) + path
@@ -390,7 +360,7 @@ def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None =
     for key, count in filled.items():
         if count != math.prod(targets[key].shape):
             raise RuntimeError(f"maxmoe parameter {'/'.join(key)} was not filled by the mapping")
-    variables = _nest(outputs)
+    variables = traverse_util.unflatten_dict(outputs)
     return m, {"params": variables.get("params", {}), "router": variables.get("router", {})}
 
 
@@ -408,8 +378,6 @@ def full_config(m: ModelConfig) -> Config:
 
 def config_yaml(m: ModelConfig, source: str) -> str:
     """A `model:` section that `python -m maxmoe.train --config` accepts, with the house header."""
-    import yaml
-
     return (
         f"# DeepSeek-V3 model converted from {source} by `python -m maxmoe.convert from-hf`.\n"
         f"# Fine-tune: python -m maxmoe.train --config <this file> checkpoint.init_from=<this folder>\n"
@@ -420,8 +388,6 @@ def config_yaml(m: ModelConfig, source: str) -> str:
 
 def convert_from_hf(hf_dir: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """Write `out`/checkpoints (save_params) and `out`/config.yaml from an HF folder."""
-    from maxmoe.training.checkpoint import save_params
-
     out = Path(out)
     _check_empty(out)
     scratch = out / ".convert-scratch"
@@ -444,12 +410,6 @@ def _check_empty(out: Path) -> None:
 
 def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict]:
     """(ModelConfig, {'params', 'router'} as host numpy arrays) from a maxmoe checkpoint or run folder."""
-    import types
-
-    import orbax.checkpoint as ocp
-
-    from maxmoe.training.checkpoint import load_params
-
     folder = Path(path).absolute()
     if not folder.is_dir():
         raise UserError(f"checkpoint {path}: no such folder")
@@ -472,8 +432,6 @@ def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict]:
 
 
 def _to_numpy(tree):
-    import jax
-
     return jax.tree.map(np.asarray, tree)
 
 
@@ -483,9 +441,6 @@ def load_pretrained(path: str | Path, dtype: str = "float32", compute_dtype: str
     `dtype` is the parameter dtype; the model computes in `compute_dtype` (default: `dtype`).
     Then `maxmoe.model.logits(config.model, variables, tokens)` gives [batch, seq, vocab].
     """
-    import jax
-    import jax.numpy as jnp
-
     path = Path(path)
     if (path / "config.json").is_file():
         m, variables = import_hf(path, dtype)

@@ -28,9 +28,10 @@ class MoE(nn.Module):
         c = self.config
         e, d, f = c.num_experts, c.hidden_size, c.moe_mlp_dim
         routing = Router(c, name="router")(x_BTD)
-        w_gate_EDF = logical_param(self, "w_gate", (e, d, f), ("expert", "embed", "expert_mlp"), std=c.init_std)
-        w_up_EDF = logical_param(self, "w_up", (e, d, f), ("expert", "embed", "expert_mlp"), std=c.init_std)
-        w_down_EFD = logical_param(self, "w_down", (e, f, d), ("expert", "expert_mlp", "embed"), std=c.init_std)
+        axes = dispatch.EXPERT_WEIGHT_AXES
+        w_gate_EDF = logical_param(self, "w_gate", (e, d, f), axes["w_gate"], std=c.init_std)
+        w_up_EDF = logical_param(self, "w_up", (e, d, f), axes["w_up"], std=c.init_std)
+        w_down_EFD = logical_param(self, "w_down", (e, f, d), axes["w_down"], std=c.init_std)
         b, t, _ = x_BTD.shape
         plan = None if self.layout is None else self.layout.dispatch_plan
         routed_BTD, dropped = dispatch.routed_experts(

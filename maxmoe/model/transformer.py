@@ -16,11 +16,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxmoe.config import ModelConfig, dtype_of
+from maxmoe.config import ModelConfig
 from maxmoe.model.attention import MLA
 from maxmoe.model.layers import Embed, RMSNorm, SwiGLU, constrain, logical_param
 from maxmoe.model.moe import MoE
 
+COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # model.compute_dtype -> jax dtype
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -97,7 +98,7 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BT: jax.Array):
         c = self.config
-        dtype = dtype_of(c.compute_dtype)
+        dtype = COMPUTE_DTYPES[c.compute_dtype]
         b, t = tokens_BT.shape
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         embed = Embed(c.vocab_size, c.hidden_size, dtype, c.init_std, name="embed")
@@ -131,9 +132,25 @@ def build_model(config: ModelConfig, layout: Any = None) -> Transformer:
     return Transformer(config, layout)
 
 
-def init_variables(config: ModelConfig, rng: jax.Array, layout: Any = None, batch: int = 1, seq: int = 8):
-    """Boxed variables (params with logical axes, router biases, stats) for the config."""
-    return build_model(config, layout).init(rng, jnp.zeros((batch, seq), jnp.int32))
+def init_variables(config: ModelConfig, rng: jax.Array) -> dict:
+    """A fresh {'params', 'router'}: parameters boxed with their logical axes, router biases.
+
+    Only the initialisers run (flax's lazy_init): the forward pass that creates the variables
+    is traced abstractly and left out of a compiled program. The `moe_stats` a forward pass
+    writes are outputs, not variables a model keeps, and are left out.
+    """
+    variables = build_model(config).lazy_init(rng, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    return {"params": variables["params"], "router": variables.get("router", {})}
+
+
+def abstract_variables(config: ModelConfig, *, boxed: bool = False) -> dict:
+    """`init_variables`' shapes and dtypes as jax.ShapeDtypeStruct; nothing is allocated or run.
+
+    With boxed=True the parameters keep their logical-axis boxes (what `Layout.tree_shardings`
+    reads); otherwise they are plain structs.
+    """
+    variables = jax.eval_shape(lambda: init_variables(config, jax.random.key(0)))
+    return variables if boxed else nn.unbox(variables)
 
 
 def logits(config: ModelConfig, variables: dict, tokens_BT) -> jax.Array:

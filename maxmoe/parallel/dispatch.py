@@ -50,14 +50,21 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from maxmoe.config import DISPATCH_STRATEGIES
 from maxmoe.parallel import dispatch_shard
 from maxmoe.parallel.collectives import has_native_ragged_all_to_all
 from maxmoe.parallel.dispatch_shard import expert_swiglu
 
-STRATEGIES = ("ragged_a2a", "allgather", "capacity")
+# Logical axes of the routed experts' weights: the model declares its parameters with them and
+# the mesh derives the shard_map's weight specs from them.
+EXPERT_WEIGHT_AXES = {
+    "w_gate": ("expert", "embed", "expert_mlp"),
+    "w_up": ("expert", "embed", "expert_mlp"),
+    "w_down": ("expert", "expert_mlp", "embed"),
+}
 __all__ = [
     "DispatchPlan",
-    "STRATEGIES",
+    "EXPERT_WEIGHT_AXES",
     "expert_swiglu",
     "local_routed_experts",
     "make_dispatch_plan",
@@ -105,7 +112,7 @@ class DispatchPlan:
 
     Attributes:
         mesh: the (data, expert, tensor) mesh.
-        strategy: one of STRATEGIES.
+        strategy: one of maxmoe.config.DISPATCH_STRATEGIES.
         token_axes: mesh axes the flattened token dim is sharded over inside the shard_map.
         expert_axis: the mesh axis experts are sharded over (tokens are exchanged over it).
         tensor_axis: the mesh axis F is sharded over, or None when F is whole on every device.
@@ -250,8 +257,10 @@ def make_dispatch_plan(
         ValueError: for an unknown strategy or axis, or inconsistent F sharding.
     """
     strategy = "ragged_a2a" if moe_config.dispatch == "auto" else moe_config.dispatch
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown moe.dispatch {moe_config.dispatch!r}; expected 'auto' or one of {STRATEGIES}")
+    if strategy not in DISPATCH_STRATEGIES:
+        raise ValueError(
+            f"unknown moe.dispatch {moe_config.dispatch!r}; expected 'auto' or one of {DISPATCH_STRATEGIES}"
+        )
     if expert_axis not in mesh.axis_names:
         raise ValueError(f"expert axis {expert_axis!r} is not a mesh axis {mesh.axis_names}")
     axes = [a for a in _axes_tuple(token_axes) if a != tensor_axis]

@@ -11,7 +11,7 @@ Backends:
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("ragged_dot", "dense_loop")
+from maxmoe.config import GROUPED_MATMUL_BACKENDS
 
 
 def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
@@ -26,7 +26,7 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
         x_MD: [M, D] rows sorted by group.
         w_GDF: [G, D, F] one weight matrix per group.
         group_sizes_G: [G] int, rows per group; sum <= M.
-        backend: one of "ragged_dot", "dense_loop".
+        backend: one of maxmoe.config.GROUPED_MATMUL_BACKENDS.
 
     Returns:
         [M, F] in the dtype of `x_MD`.
@@ -39,7 +39,7 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
     elif backend == "dense_loop":
         out_MF = _dense_loop(x_MD, w_GDF, group_sizes_G)
     else:
-        allowed = ", ".join(repr(b) for b in BACKENDS)
+        allowed = ", ".join(repr(b) for b in GROUPED_MATMUL_BACKENDS)
         raise ValueError(f"unknown grouped_matmul backend {backend!r}; expected one of {allowed}")
     return out_MF.astype(x_MD.dtype)
 

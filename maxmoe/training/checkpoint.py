@@ -24,6 +24,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_utils
+
 from maxmoe.config import Config, UserError
 
 STEP_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress step folders
@@ -39,8 +43,6 @@ class Restored:
 
 
 def _handlers(*names: str) -> dict:
-    import orbax.checkpoint as ocp
-
     kinds = {
         "state": ocp.StandardCheckpointHandler,
         "params": ocp.PyTreeCheckpointHandler,
@@ -96,7 +98,6 @@ def _first_line(error: BaseException) -> str:
 
 def _leaf_paths(tree: Any) -> dict[str, Any]:
     """{'params/embed/embedding': leaf, ...} with dict keys, attributes and indices alike as names."""
-    import jax
 
     def name(key) -> str:
         for attr in ("key", "name", "idx"):
@@ -144,16 +145,13 @@ class Checkpointer:
     Every process calls every method (orbax coordinates the processes); only orbax writes.
     """
 
-    def __init__(self, config: Config, run_dir: Path, *, is_main: bool):
+    def __init__(self, config: Config, run_dir: Path):
         self.config = config
         self.directory = (Path(run_dir) / "checkpoints").absolute()
-        self.is_main = is_main
         self._manager = None
 
     def _open(self):
         if self._manager is None:
-            import orbax.checkpoint as ocp
-
             c = self.config.checkpoint
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=c.keep,
@@ -195,8 +193,6 @@ class Checkpointer:
         step = self.latest_step()
         if step is None:
             return None
-        import orbax.checkpoint as ocp
-
         where = f"checkpoint {self.directory / str(step)}"
         advice = (
             "; move that step folder away to resume from the one before it, or use a new run.dir (nothing was deleted)"
@@ -237,8 +233,6 @@ class Checkpointer:
         every = self.config.checkpoint.every
         if not force and not (every and step % every == 0):
             return False
-        import orbax.checkpoint as ocp
-
         manager = self._open()
         if manager.latest_step() == step:
             return False  # already saved (or being saved) at this step
@@ -267,9 +261,6 @@ class Checkpointer:
 def load_params(path: str, abstract_state: Any) -> dict:
     """{'params', 'router'} from the latest step under `path` (a run.dir, its checkpoints/ or a
     `save_params` folder), placed on the shardings of `abstract_state` (the current mesh)."""
-    import orbax.checkpoint as ocp
-    from orbax.checkpoint import checkpoint_utils
-
     folder = Path(path).expanduser().absolute()
     if not folder.is_dir():
         raise UserError(f"checkpoint.init_from={path}: no such folder")
@@ -313,8 +304,6 @@ def load_params(path: str, abstract_state: Any) -> dict:
 
 def save_params(folder: str | Path, params: Any, router: Any, config: Config, step: int = 0) -> Path:
     """Write parameters and router biases as a checkpoint that `checkpoint.init_from` accepts."""
-    import orbax.checkpoint as ocp
-
     directory = Path(folder).absolute() / "checkpoints"
     with ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(create=True), item_handlers=_handlers("state", "config")

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -40,10 +41,10 @@ class Programs:
 def build_programs(config: Config, layout) -> Programs:
     """State shardings from the parameters' logical axes; step functions jitted with them."""
     optimizer = make_optimizer(config.train)
-    boxed = jax.eval_shape(lambda: step_lib.init_state(config, optimizer, jax.random.key(0), boxed=True))
+    boxed = step_lib.abstract_state(config, optimizer, boxed=True)
     shardings = layout.tree_shardings(boxed)
     abstract = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), step_lib.unbox(boxed), shardings
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
     )
     batch_sharding = layout.sharding(("batch", None))
     init = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=shardings)

@@ -24,7 +24,7 @@ import optax
 from flax import traverse_util
 
 from maxmoe.config import Config
-from maxmoe.model.transformer import build_model, shift_left
+from maxmoe.model.transformer import abstract_variables, build_model, init_variables, shift_left
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -172,28 +172,30 @@ def make_eval_step(config: Config, layout: Any = None) -> Callable:
     return eval_step
 
 
-def unbox(tree):
-    """Strip flax's logical-axis boxes, leaving plain arrays (or shapes)."""
-    return nn.unbox(tree)
-
-
-def init_state(
-    config: Config, optimizer: optax.GradientTransformation, rng: jax.Array, layout: Any = None, boxed: bool = False
-) -> TrainState:
-    """A fresh state; with boxed=True params and optimizer state keep their logical-axis boxes."""
-    del layout  # parameters do not depend on the layout; init runs the single-device path
-    model = build_model(config.model)
-    # lazy_init runs only the initialisers: the forward pass that creates the variables is
-    # traced abstractly and left out of the compiled program.
-    variables = model.lazy_init(rng, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+def _fresh_state(variables: dict, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0 around `variables`; boxed parameters give a boxed optimizer state."""
     params = variables["params"]
-    opt_state = optimizer.init(params)
-    state = TrainState(
+    return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         router=variables["router"],
-        opt_state=opt_state,
+        opt_state=optimizer.init(params),
         bad_steps=jnp.zeros((), jnp.int32),
         skipped=jnp.zeros((), jnp.int32),
     )
+
+
+def init_state(config: Config, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    """A fresh state of plain arrays (parameters do not depend on the layout)."""
+    return nn.unbox(_fresh_state(init_variables(config.model, rng), optimizer))
+
+
+def abstract_state(config: Config, optimizer: optax.GradientTransformation, *, boxed: bool = False) -> TrainState:
+    """`init_state`'s shapes and dtypes as jax.ShapeDtypeStruct; nothing is allocated or run.
+
+    With boxed=True the parameters and optimizer state keep their logical-axis boxes (what
+    `Layout.tree_shardings` reads).
+    """
+    variables = abstract_variables(config.model, boxed=True)
+    state = jax.eval_shape(lambda v: _fresh_state(v, optimizer), variables)
     return state if boxed else nn.unbox(state)
