@@ -6,7 +6,7 @@ For each strategy on a tiny and a proxy-shaped MoE layer (one forward call, mesh
 data=1 x expert=8 x tensor=1, random balanced top-k routing) it prints:
 
   hlo MB     bytes each device puts on the wire per layer, from the collectives in the
-             compiled HLO (`compiled.as_text()`): all-to-all and all-gather move
+             compiled HLO (`maxmoe.hlo.collective_bytes`): all-to-all and all-gather move
              (P-1)/P of their buffer, reduce-scatter (P-1) x its output, all-reduce
              2 (P-1)/P of its buffer (ring). On CPU ragged all-to-all is emulated with
              dense [P, M, D] blocks, so this is far above what the GPU moves.
@@ -21,41 +21,29 @@ data=1 x expert=8 x tensor=1, random balanced top-k routing) it prints:
 Backward doubles every collective (each has a transposed twin).
 """
 
+import argparse
+import dataclasses
 import os
 import shlex
 import sys
+import time
 
-os.environ["XLA_FLAGS"] = (
-    " ".join(
-        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
-    )
-    + " --xla_force_host_platform_device_count=8"
-)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxmoe.config import MoEConfig  # noqa: E402
-from maxmoe.parallel.dispatch import make_dispatch_plan  # noqa: E402
+from maxmoe import runtime
+from maxmoe.config import MoEConfig
+from maxmoe.hlo import collective_bytes
+from maxmoe.parallel.dispatch import make_dispatch_plan
 
 WEIGHT_SPECS = {
     "w_gate": P("expert", None, "tensor"),
     "w_up": P("expert", None, "tensor"),
     "w_down": P("expert", "tensor", None),
 }
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
-COLLECTIVES = ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-OP_RE = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,37 +54,6 @@ class Layer:
     expert_mlp: int
     experts: int
     top_k: int
-
-
-def type_bytes(text):
-    total = 0
-    for dtype, dims in SHAPE_RE.findall(text):
-        total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    return total
-
-
-def group_size(line, devices):
-    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if explicit:
-        return len(explicit.group(1).split(","))
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-    return int(iota.group(2)) if iota else devices
-
-
-def wire_bytes(hlo_text, devices):
-    """Bytes per device on the wire by collective kind, from the result types in the HLO."""
-    by_kind = {}
-    for line in hlo_text.splitlines():
-        match = OP_RE.search(line)
-        if not match:
-            continue
-        result, kind = match.group(1), match.group(2)
-        size, peers = type_bytes(result), group_size(line, devices)
-        factor = {"all-reduce": 2 * (peers - 1) / peers, "reduce-scatter": peers - 1, "collective-permute": 1.0}.get(
-            kind, (peers - 1) / peers
-        )
-        by_kind[kind] = by_kind.get(kind, 0) + size * factor
-    return by_kind
 
 
 def native_ragged_bytes(ids_NK, layer, ranks, bytes_per_value):
@@ -144,7 +101,7 @@ def measure(layer, variant, moe, mesh, repeats):
         y, _ = compiled(*args)
     jax.block_until_ready(y)
     seconds = (time.perf_counter() - start) / repeats
-    by_kind = wire_bytes(compiled.as_text(), mesh.size)
+    by_kind = collective_bytes(compiled.as_text(), device_domain=[0] * mesh.size)["by_kind"]
     ranks = mesh.shape["expert"]
     native = native_ragged_bytes(ids, layer, ranks, 4) if plan.strategy == "ragged_a2a" else None
     minimum = 2 * layer.tokens * layer.top_k * layer.hidden * 4 * (ranks - 1) / ranks
@@ -163,6 +120,7 @@ def measure(layer, variant, moe, mesh, repeats):
 
 
 def main():
+    runtime.use_cpu_devices(8, force=False)  # 8 fake CPU devices unless JAX_PLATFORMS names a platform
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--proxy-tokens", type=int, default=256, help="tokens per shard (DeepSeek proxy: 4096)")
     parser.add_argument("--proxy-hidden", type=int, default=512, help="D (proxy: 2048)")

@@ -16,8 +16,13 @@ import shlex
 import sys
 from pathlib import Path
 
+import jax
+
+from maxmoe import runtime
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.config import UserError, load_config
+from maxmoe.mesh import build_layout
+from maxmoe.sweep import time_shape
 
 
 @main_guard
@@ -42,16 +47,7 @@ def main(argv=None):
     base = config_from_args(args)
     variants = [(v, load_config(args.config, list(args.overrides) + v.split())) for v in args.variant] or [("", base)]
 
-    from maxmoe import xla_flags
-    from maxmoe.train import set_host_device_count
-
-    set_host_device_count(base.run.cpu_devices)
-    flags = xla_flags.apply(base)
-    import jax
-
-    from maxmoe.mesh import build_layout
-    from maxmoe.sweep import time_shape
-
+    flags = runtime.setup(base, distributed_init=False)  # one process: no jax.distributed
     command = " ".join(
         shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
     )

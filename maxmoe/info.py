@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import sys
 
+from maxmoe import runtime
 from maxmoe.cli import config_from_args, main_guard, make_parser
+from maxmoe.flops import count_params, flops_per_token
+from maxmoe.lowering import collective_counts_for_platform
 
 
 @main_guard
@@ -25,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
 
     if args.lower:
-        from maxmoe.lowering import collective_counts_for_platform
-
+        runtime.set_host_device_count(config.run.cpu_devices)
         counts = collective_counts_for_platform(config, args.lower)
         if args.json:
             print(json.dumps(counts))
@@ -34,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
             for name, count in counts.items():
                 print(f"{name}: {count}")
         return 0
-
-    from maxmoe.flops import count_params, flops_per_token
 
     report = dict(count_params(config.model))
     report["flops_per_token"] = flops_per_token(config.model, config.train.seq_len)

@@ -10,52 +10,41 @@ the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) a
 `mesh.build_mesh` accepts it (expert x tensor inside one scale-up domain, unless
 `mesh.allow_cross_domain`).
 
---dry-run: N fake CPU devices; one training step (donated state, as train.py jits it) is
-compiled ahead of time from abstract shapes -- nothing is allocated -- and per shape it
-reports, per device:
-  memory      compiled.memory_analysis(): arguments, outputs, temp, aliased (donated) and
-              total = arguments + outputs - aliased + temp; `fits` = total <= --hbm-gb.
-  collectives bytes each device puts on the wire per step, by kind, from the compiled HLO:
-              all-gather / all-to-all (P-1)/P of the result, reduce-scatter (P-1) x its
-              result, all-reduce 2 (P-1)/P of it (ring), collective-permute its result,
-              ops inside loops multiplied by the trip count (scanned layers, grad
-              accumulation). `cross-domain` sums the ops whose replica groups hold devices
-              of more than one scale-up domain.
-  flops       analytic model FLOPs per device per step (maxmoe.flops).
-The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
-whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
-its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
-collective's shapes instead: a dense all-to-all of min(N, M) rows -- what a native ragged
-all-to-all moves under balanced routing, (P-1)/P of the n x K token copies -- written into
-the same [M, D] output buffer. `--a2a emulate` compiles the emulation as the CPU runs it,
-reports its all-to-all bytes as `emulated_all_to_all`, replaces them by the analytic native
-figure and marks the memory as an upper bound. Either way `native_a2a_bytes` is the analytic
-figure: n x K x D x bytes x (P-1)/P per call, two calls (dispatch, combine) per MoE layer
-forward, twice that backward, and one more forward under remat (recompute).
+--dry-run: N fake CPU devices; one training step is compiled ahead of time per shape and
+described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
+collective kind and across scale-up domains, model FLOPs. `--a2a proxy` (default) compiles
+the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
+`--a2a emulate` as the CPU emulation. The method in full: maxmoe/dry_run.py.
 
 Without --dry-run: the same shapes on the real devices, timed over --steps steps after
 --warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.flops.peak_tflops.
-Output: a ranked table on stdout (progress on stderr), --json, --plot (matplotlib).
+Output: a ranked table on stdout (progress on stderr: a live bar on a terminal, plain lines
+otherwise), --json, --plot (matplotlib).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import re
 import sys
 import time
 import warnings
 from pathlib import Path
 
-from maxmoe.cli import config_from_args, main_guard, make_parser
-from maxmoe.config import Config, ConfigError, UserError
+import jax
+import numpy as np
 
-AXES = ("data", "expert", "tensor")
-GB = 1e9
-FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+from maxmoe import runtime
+from maxmoe.cli import config_from_args, main_guard, make_parser
+from maxmoe.config import MESH_AXES, Config, ConfigError, UserError
+from maxmoe.dry_run import GB, METHOD, dry_run_shape
+from maxmoe.flops import flops_per_token, mfu, peak_tflops
+from maxmoe.mesh import build_layout, build_mesh, resolve_shape
+from maxmoe.training.programs import build_programs
+from maxmoe.training.progress import ProgressDisplay
+
+AXES = MESH_AXES
 
 # ---------------------------------------------------------------------------------------
 # Shapes
@@ -100,8 +89,6 @@ def mesh_name(sizes: dict[str, int]) -> str:
 
 def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | None = None):
     """(kept, skipped): kept = [(sizes, mesh)], skipped = [(sizes, reason)], in enumeration order."""
-    from maxmoe.mesh import build_mesh, resolve_shape
-
     kept, skipped = [], []
     for sizes in meshes or factorisations(len(devices)):
         shaped = with_mesh(config, sizes)
@@ -118,346 +105,11 @@ def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | Non
 
 
 # ---------------------------------------------------------------------------------------
-# HLO collectives
-
-DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-}
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
-_OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
-_SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
-_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*[({]")
-_CALL_RE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-
-
-def _shape_bytes(text: str) -> list[int]:
-    return [DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE_RE.findall(text)]
-
-
-def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-    """The device groups of one collective line (explicit, iota or empty = everyone)."""
-    import numpy as np
-
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        groups, size = int(iota.group(1)), int(iota.group(2))
-        dims = [int(d) for d in iota.group(3).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(4):
-            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
-        return ids.reshape(groups, size).tolist()
-    named = re.search(
-        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-        r"\s*\{([^}]*)\}",
-        line,
-    )
-    if named:  # mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: groups vary the listed axes
-        axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
-        names, dims = [a for a, _ in axes], [int(d) for _, d in axes]
-        ids = np.arange(math.prod(dims))
-        if named.group(2):
-            order = np.arange(math.prod(int(d) for d in named.group(2).split(","))).reshape(
-                [int(d) for d in named.group(2).split(",")]
-            )
-            if named.group(3):
-                order = order.transpose([int(p) for p in named.group(3).split(",")])
-            ids = order.reshape(-1)
-        ids = ids.reshape(dims)
-        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", named.group(4)) if a in names]
-        rest = [i for i in range(len(dims)) if i not in chosen]
-        return ids.transpose(rest + chosen).reshape(-1, math.prod(dims[i] for i in chosen) if chosen else 1).tolist()
-    explicit = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
-    if explicit:
-        return [[int(i) for i in g.split(",") if i.strip()] for g in re.findall(r"\{([\d, ]*)\}", explicit.group(1))]
-    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
-    if pairs:
-        return [[int(i) for i in p.split(",")] for p in re.findall(r"\{?(\d+,\d+)\}?", pairs.group(1) + "}")]
-    return [list(range(num_devices))]
-
-
-def _multipliers(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]]:
-    """Lines of each computation and how many times it runs per step (trip counts of while loops)."""
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if not line.startswith((" ", "\t", "}")) and line.strip():
-            m = _COMP_RE.match(line)
-            if m and line.rstrip().endswith("{"):
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-                continue
-        if current is not None:
-            comps[current].append(line)
-    calls: dict[str, list[tuple[str, float]]] = {name: [] for name in comps}
-    for name, lines in comps.items():
-        for line in lines:
-            trip = _TRIP_RE.search(line)
-            for role, callee in _CALL_RE.findall(line):
-                factor = float(trip.group(1)) if (role in ("body", "condition") and trip) else 1.0
-                calls[name].append((callee, factor))
-            branches = _BRANCHES_RE.search(line)
-            if branches:
-                calls[name] += [(b.strip().lstrip("%"), 1.0) for b in branches.group(1).split(",") if b.strip()]
-    times = {name: 0.0 for name in comps}
-    if entry is None:
-        return comps, {name: 1.0 for name in comps}
-
-    def visit(name, factor, depth=0):
-        if name not in times or depth > 64:
-            return
-        times[name] += factor
-        for callee, f in calls.get(name, ()):
-            visit(callee, factor * f, depth + 1)
-
-    visit(entry, 1.0)
-    return comps, times
-
-
-def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:
-    """Per-device bytes on the wire per step by collective kind, and the part crossing domains.
-
-    `device_domain[i]` is the scale-up domain of the program's device (partition) i.
-    Returns {"by_kind": {kind: bytes}, "cross_domain": {kind: bytes}, "ops": {kind: count}}.
-    """
-    comps, times = _multipliers(hlo_text)
-    by_kind: dict[str, float] = {}
-    cross: dict[str, float] = {}
-    ops: dict[str, int] = {}
-    n = len(device_domain)
-    for name, lines in comps.items():
-        runs = times.get(name, 1.0)
-        if runs == 0:
-            continue
-        for line in lines:
-            m = _OP_RE.match(line)
-            if not m:
-                continue
-            result, kind, started = m.group(1), m.group(2), m.group(3)
-            sizes = _shape_bytes(result)
-            if not sizes:
-                continue
-            # An async start returns (operands..., results...): count the results only.
-            size = max(sizes) if started and kind != "all-reduce" else sum(sizes) if not started else sizes[-1]
-            groups = replica_groups(line, n)
-            peers = max(len(g) for g in groups) if kind != "collective-permute" else 2
-            factor = {
-                "all-reduce": 2 * (peers - 1) / peers,
-                "reduce-scatter": peers - 1,
-                "collective-permute": 1.0,
-            }.get(kind, (peers - 1) / peers)
-            moved = size * factor * runs
-            by_kind[kind] = by_kind.get(kind, 0.0) + moved
-            ops[kind] = ops.get(kind, 0) + int(runs)
-            if any(len({device_domain[i] for i in g if i < n}) > 1 for g in groups):
-                cross[kind] = cross.get(kind, 0.0) + moved
-    return {"by_kind": by_kind, "cross_domain": cross, "ops": ops}
-
-
-# ---------------------------------------------------------------------------------------
-# The analytic model
-
-
-def tokens_per_shard(config: Config, sizes: dict[str, int]) -> int:
-    t = config.train
-    return math.ceil(t.batch_size // t.grad_accum * t.seq_len / (sizes["data"] * sizes["expert"]))
-
-
-def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> float:
-    """Per-device bytes per step of native ragged all-to-alls under balanced routing.
-
-    n x K x D x bytes x (P-1)/P per call; dispatch + combine per MoE layer forward, the
-    same again backward, and the forward again where remat recomputes it (scanned MoE
-    layers; the MTP block is not rematerialised); times grad_accum micro-batches.
-    """
-    m = config.model
-    p = sizes["expert"]
-    if p <= 1:
-        return 0.0
-    width = 2 if m.compute_dtype == "bfloat16" else 4
-    per_call = tokens_per_shard(config, sizes) * m.experts_per_token * m.hidden_size * width * (p - 1) / p
-    passes_scanned = 6 if m.remat != "none" else 4
-    calls = (m.num_layers - m.first_k_dense) * passes_scanned + m.mtp_num_layers * 4
-    return per_call * calls * config.train.grad_accum
-
-
-def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
-    """Rough extra temp of the CPU emulation per call: the sent and received [P, M, D] blocks."""
-    m = config.model
-    p = sizes["expert"]
-    if plan is None or p <= 1:
-        return 0.0
-    width = 2 if m.compute_dtype == "bfloat16" else 4
-    rows = plan.buffer_rows(tokens_per_shard(config, sizes), m.experts_per_token, m.num_experts)
-    return 2.0 * p * rows * m.hidden_size * width
-
-
-# ---------------------------------------------------------------------------------------
-# Compiling and timing one step
-
-
-def _proxy_ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, emulate
-):  # noqa: ARG001 - same signature as the real one
-    """Stand-in with the native collective's shapes and balanced-routing bytes (dry runs only).
-
-    Moves min(N, M) rows with one dense all_to_all ((P-1)/P of them leave the device) and
-    writes them into `output`; the values are meaningless, the buffers and bytes are the
-    GPU program's.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    p = jax.lax.axis_size(axis_name)
-    rows = min(operand.shape[0], output.shape[0])
-    padded = -(-rows // p) * p
-    chunk = jnp.pad(operand[:rows], [(0, padded - rows)] + [(0, 0)] * (operand.ndim - 1))
-    moved = jax.lax.all_to_all(chunk, axis_name, 0, 0, tiled=True)[:rows]
-    # Keep the size arguments live, as the real op reads them.
-    moved = moved + (send_sizes.sum() + recv_sizes.sum() + input_offsets[0] + output_offsets[0]).astype(moved.dtype) * 0
-    return jax.lax.dynamic_update_slice(output, moved, (0,) * output.ndim)
-
-
-@contextlib.contextmanager
-def native_a2a_proxy(enabled: bool):
-    """Swap the dispatch's ragged all-to-all for `_proxy_ragged_all_to_all` while compiling."""
-    from maxmoe.parallel import dispatch_shard
-
-    original = dispatch_shard.ragged_all_to_all
-    if enabled:
-        dispatch_shard.ragged_all_to_all = _proxy_ragged_all_to_all
-    try:
-        yield
-    finally:
-        dispatch_shard.ragged_all_to_all = original
-
-
-def dry_run_shape(config: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy") -> dict:
-    """Compile one step for `mesh` (fake CPU devices) and describe it; see the module docstring."""
-    from maxmoe.flops import flops_per_token
-    from maxmoe.mesh import build_layout, device_domains
-    from maxmoe.training.programs import build_programs
-
-    shaped = with_mesh(config, sizes)
-    start = time.perf_counter()
-    layout = build_layout(shaped, list(mesh.devices.flat), platform="cpu")
-    mesh = layout.mesh
-    plan = layout.dispatch_plan
-    ragged = plan is not None and plan.strategy == "ragged_a2a" and plan.expert_ranks > 1
-    with native_a2a_proxy(ragged and a2a == "proxy"):
-        programs = build_programs(shaped, layout)
-        lowered = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(shaped)).lower()
-    lower_s = time.perf_counter() - start
-    # LLVM's optimisation level changes code speed, not the HLO buffer assignment the memory
-    # figures come from; skipping its expensive passes halves compile time on a small CPU.
-    compiled = lowered.compile(compiler_options=FAST_CPU_COMPILE)
-    compile_s = time.perf_counter() - start - lower_s
-    mem = compiled.memory_analysis()
-    devices = list(mesh.devices.flat)
-    domain = device_domains(devices, shaped.mesh.scale_up_domain)
-    wire = collective_bytes(compiled.as_text(), domain)
-    by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
-    notes = []
-    if shaped.model.compute_dtype == "bfloat16" and by_kind.get("all-to-all"):
-        # XLA:CPU computes bf16 in f32 (float normalisation), so the dispatch's all-to-alls of
-        # bf16 activations appear as f32; the GPU moves them in bf16.
-        by_kind["all-to-all"] /= 2
-        if "all-to-all" in cross:
-            cross["all-to-all"] /= 2
-        notes.append(
-            "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
-            "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
-        )
-    native = native_a2a_bytes(shaped, sizes) if ragged else 0.0
-    memory_bound = "compiled"
-    emulation_temp = 0.0
-    if ragged and a2a == "emulate":
-        emulated = by_kind.pop("all-to-all", 0.0)
-        cross.pop("all-to-all", None)
-        by_kind["emulated_all_to_all"] = emulated
-        by_kind["all-to-all"] = native
-        emulation_temp = emulation_temp_bytes(shaped, sizes, plan)
-        memory_bound = "upper bound"
-        notes.append(
-            "all-to-all: analytic native bytes replace the emulation's (emulated_all_to_all); memory is "
-            f"an upper bound: the emulation adds roughly {emulation_temp / GB:.2f} GB of [P, M, D] blocks "
-            "per live call"
-        )
-    elif ragged:
-        notes.append("all-to-all: measured on the native-shaped stand-in (balanced routing)")
-    wire_kinds = {k: v for k, v in by_kind.items() if k != "emulated_all_to_all"}
-    arg, out, alias, temp = (
-        mem.argument_size_in_bytes,
-        mem.output_size_in_bytes,
-        mem.alias_size_in_bytes,
-        mem.temp_size_in_bytes,
-    )
-    total = arg + out - alias + temp
-    t = shaped.train
-    tokens = t.batch_size * t.seq_len
-    flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
-    if shaped.mesh.scale_up_domain:
-        domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
-    else:
-        domain_note = f"{len(set(domain))} domain(s) (one per process)"
-    return {
-        "mesh": sizes,
-        "name": mesh_name(sizes),
-        "devices": mesh.size,
-        "dispatch": plan.strategy if plan else "local",
-        "a2a_model": a2a if ragged else "-",
-        "memory": {
-            "argument": arg,
-            "output": out,
-            "alias": alias,
-            "temp": temp,
-            "total": total,
-            "generated_code": getattr(mem, "generated_code_size_in_bytes", 0),
-            "kind": memory_bound,
-            "emulation_temp_estimate": emulation_temp,
-        },
-        "fits": total <= hbm_gb * GB,
-        "hbm_gb": hbm_gb,
-        "collectives": by_kind,
-        "collective_ops": wire["ops"],
-        "collective_total": sum(wire_kinds.values()),
-        "cross_domain": cross,
-        "cross_domain_total": sum(v for k, v in cross.items() if k != "emulated_all_to_all"),
-        "native_a2a_bytes": native,
-        "tokens_per_shard": tokens_per_shard(shaped, sizes),
-        "flops_per_device": flops,
-        "domains": domain_note,
-        "lower_s": lower_s,
-        "compile_s": compile_s,
-        "notes": notes,
-    }
+# Timing one step on the real devices
 
 
 def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict:
     """Run `warmup` then `steps` train steps on the real devices of `layout`; throughput figures."""
-    import jax
-    import numpy as np
-
-    from maxmoe.flops import flops_per_token, mfu, peak_tflops
-    from maxmoe.training.programs import build_programs
-
     programs = build_programs(config, layout)
     batch_sharding = programs.batch_sharding
     start = time.perf_counter()
@@ -503,34 +155,6 @@ def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict
 
 # ---------------------------------------------------------------------------------------
 # Output
-
-
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.done, self.enabled, self.start = total, 0, enabled, time.perf_counter()
-
-    def show(self, label: str) -> None:
-        if not self.enabled:
-            return
-        width = 24
-        filled = int(width * self.done / max(self.total, 1))
-        elapsed = time.perf_counter() - self.start
-        print(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label:<40}",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        self.show(label)
-
-    def close(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr, flush=True)
 
 
 def rank(results: list[dict], dry_run: bool) -> list[dict]:
@@ -628,6 +252,27 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
 # Entry point
 
 
+def run_shape(
+    config: Config, sizes: dict[str, int], mesh, dry_run: bool, hbm_gb: float, steps: int, warmup: int, a2a: str
+) -> dict:
+    """One shape's result: the dry-run description or the timing, or {"error": ...} if it failed."""
+    shaped = with_mesh(config, sizes)
+    try:
+        if dry_run:
+            return {"mesh": sizes, "name": mesh_name(sizes), **dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a)}
+        layout = build_layout(shaped, list(mesh.devices.flat))
+        return {
+            "mesh": sizes,
+            "name": mesh_name(sizes),
+            "devices": mesh.size,
+            **time_shape(shaped, layout, steps, warmup),
+        }
+    except UserError as e:
+        return {"mesh": sizes, "name": mesh_name(sizes), "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - one shape failing (e.g. out of memory) must not end the sweep
+        return {"mesh": sizes, "name": mesh_name(sizes), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
 def sweep(
     config: Config,
     num_devices: int | None,
@@ -640,16 +285,10 @@ def sweep(
     progress: bool = True,
 ) -> dict:
     """Run the sweep; returns {"results": ranked, "skipped": [...], ...}."""
-    from maxmoe.train import set_host_device_count
-
     if dry_run:
         if not num_devices:
             raise UserError("--dry-run needs --devices N")
-        set_host_device_count(num_devices)
-    import jax
-
-    if dry_run:
-        jax.config.update("jax_platforms", "cpu")
+        runtime.use_cpu_devices(num_devices)  # before the first jax.devices() starts the backend
     devices = jax.devices()
     if num_devices is None:
         num_devices = len(devices)
@@ -669,35 +308,15 @@ def sweep(
     if not kept:
         reasons = "; ".join(f"{mesh_name(s)}: {why}" for s, why in skipped[:3])
         raise UserError(f"no valid mesh for {num_devices} devices ({reasons})")
-    bar = Progress(len(kept), progress)
+    display = ProgressDisplay(len(kept), mode="auto" if progress else "off", stream=sys.stderr, elapsed=True)
     results = []
-    for sizes, mesh in kept:
-        bar.show(f"compiling {mesh_name(sizes)}")
-        try:
-            if dry_run:
-                result = dry_run_shape(config, sizes, mesh, hbm_gb, a2a)
-            else:
-                from maxmoe.mesh import build_layout
-
-                shaped = with_mesh(config, sizes)
-                layout = build_layout(shaped, list(mesh.devices.flat))
-                result = {
-                    "mesh": sizes,
-                    "name": mesh_name(sizes),
-                    "devices": mesh.size,
-                    **time_shape(shaped, layout, steps, warmup),
-                }
-        except UserError as e:
-            result = {"mesh": sizes, "name": mesh_name(sizes), "error": str(e)}
-        except Exception as e:  # noqa: BLE001 - one shape failing (e.g. out of memory) must not end the sweep
-            result = {
-                "mesh": sizes,
-                "name": mesh_name(sizes),
-                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
-            }
-        results.append(result)
-        bar.step(mesh_name(sizes))
-    bar.close()
+    try:
+        for done, (sizes, mesh) in enumerate(kept):
+            display.update(done, f"{done}/{len(kept)}  compiling {mesh_name(sizes)}")
+            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a))
+        display.update(len(kept), f"{len(kept)}/{len(kept)}  done")
+    finally:
+        display.close()
     return {
         "dry_run": dry_run,
         "devices": num_devices,
@@ -707,7 +326,7 @@ def sweep(
         "a2a_model": a2a if dry_run else "native",
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,
-        "method": __doc__.split("--dry-run:", 1)[1].split("Output:", 1)[0].strip() if dry_run else None,
+        "method": METHOD if dry_run else None,
         "results": rank(results, dry_run),
         "skipped": [{"mesh": s, "name": mesh_name(s), "reason": why} for s, why in skipped],
     }

@@ -10,30 +10,23 @@ explicit shardings; loop (log, evaluate, checkpoint); save at the end or on SIGT
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from maxmoe import data, runtime, xla_flags
 from maxmoe.cli import config_from_args, exit_with, main_guard, make_parser
 from maxmoe.config import Config, UserError
-
-
-def set_host_device_count(count: int) -> None:
-    """Ask the CPU backend for `count` devices; must run before jax starts a backend."""
-    if count <= 0:
-        return
-    flags = [
-        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except (AttributeError, RuntimeError):
-        pass  # older jax reads the XLA flag above
+from maxmoe.flops import flops_per_token, mfu, peak_tflops
+from maxmoe.mesh import build_layout
+from maxmoe.training import checkpoint
+from maxmoe.training.metrics import MetricsLogger
+from maxmoe.training.optim import learning_rate_schedule
+from maxmoe.training.programs import build_programs
 
 
 class StopSignal:
@@ -51,22 +44,7 @@ class StopSignal:
 def train(config: Config) -> int:
     """Run the job described by `config`; returns the process exit status."""
     # -- process setup: before any jax computation starts a backend ------------------------
-    set_host_device_count(config.run.cpu_devices)
-    from maxmoe import distributed, xla_flags
-
-    flags = xla_flags.apply(config)
-    distributed.initialize(config.dist)
-
-    import jax
-    import numpy as np
-
-    from maxmoe import data
-    from maxmoe.flops import flops_per_token, mfu, peak_tflops
-    from maxmoe.mesh import build_layout
-    from maxmoe.training import checkpoint
-    from maxmoe.training.metrics import MetricsLogger
-    from maxmoe.training.optim import learning_rate_schedule
-    from maxmoe.training.programs import build_programs
+    flags = runtime.setup(config)
 
     is_main = jax.process_index() == 0
     run_dir = Path(config.run.dir)

@@ -12,6 +12,7 @@ import pytest
 from maxmoe.config import (
     DISPATCH_STRATEGIES,
     GROUPED_MATMUL_BACKENDS,
+    MESH_AXES,
     XLA_PROFILES,
     Config,
     ConfigError,
@@ -228,6 +229,7 @@ def _spelled_out(names) -> re.Pattern:
 @pytest.mark.parametrize(
     "names, home",
     [
+        (MESH_AXES, "config.py"),
         (DISPATCH_STRATEGIES, "config.py"),
         (GROUPED_MATMUL_BACKENDS, "config.py"),
         (XLA_PROFILES, "config.py"),

@@ -285,7 +285,7 @@ def test_cuda_lowering_uses_native_ragged_all_to_all():
     plan = make_dispatch_plan(
         mesh, MoEConfig(), token_axes=("data", "expert"), weight_specs=WEIGHT_SPECS, platform="cuda"
     )
-    assert plan.strategy == "ragged_a2a" and not plan.emulate_ragged_a2a
+    assert plan.strategy == "ragged_a2a" and plan.a2a_impl == "native"
     x, ids, weights, w_gate, w_up, w_down, cotangent = random_problem(9, 8, 4, 8, 2)
 
     def loss(x, weights, w_gate, w_up, w_down):
@@ -318,8 +318,10 @@ def test_emulation_forced_and_auto():
             platform=platform,
         )
 
-    assert make("auto", "cpu").emulate_ragged_a2a and not make("auto", "cuda").emulate_ragged_a2a
-    assert make("true", "cuda").emulate_ragged_a2a and not make("false", "cpu").emulate_ragged_a2a
+    assert make("auto", "cpu").a2a_impl == "emulate" and make("auto", "cuda").a2a_impl == "native"
+    assert make("true", "cuda").a2a_impl == "emulate" and make("false", "cpu").a2a_impl == "native"
+    with pytest.raises(ValueError, match="a2a_impl"):
+        dataclasses.replace(make("auto", "cpu"), a2a_impl="bogus")
 
 
 def test_build_layout_makes_the_plan():

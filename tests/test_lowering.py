@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from maxmoe.config import load_config
-from maxmoe.lowering import count_collectives, lower_train_step
+from maxmoe.hlo import count_collectives
+from maxmoe.lowering import lower_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -1,5 +1,5 @@
-"""maxmoe.sweep: mesh enumeration, HLO collective parsing, the analytic all-to-all model, and a
-dry run on 8 fake CPU devices whose all-to-all bytes grow with the expert axis as (EP-1)/EP."""
+"""maxmoe.sweep and maxmoe.dry_run: mesh enumeration, the analytic all-to-all model, and a dry
+run on 8 fake CPU devices whose all-to-all bytes grow with the expert axis as (EP-1)/EP."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maxmoe import sweep
+from maxmoe import dry_run, sweep
 from maxmoe.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,47 +49,9 @@ def test_candidate_shapes_skip_what_does_not_divide():
     assert any("scale-up domain" in why for _, why in skipped)
 
 
-def test_replica_group_formats():
-    assert sweep.replica_groups("x, replica_groups={{0,2},{1,3}}, y", 4) == [[0, 2], [1, 3]]
-    assert sweep.replica_groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert sweep.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert sweep.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, x", 8) == [
-        [0, 4],
-        [1, 5],
-        [2, 6],
-        [3, 7],
-    ]
-    assert sweep.replica_groups("no groups", 4) == [[0, 1, 2, 3]]
-
-
-HLO = """HloModule m
-
-%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %p = (s32[], f32[8]{0}) parameter(0)
-  %x = f32[8]{0} get-tuple-element(%p), index=1
-  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
-  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
-}
-
-ENTRY %main (a: f32[8]) -> f32[16] {
-  %a = f32[8]{0} parameter(0)
-  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
-  ROOT %ag = f32[16]{0} all-gather(%a), channel_id=2, replica_groups={{0,2},{1,3}}, dimensions={0}
-}
-"""
-
-
-def test_collective_bytes_counts_loops_and_domains():
-    wire = sweep.collective_bytes(HLO, device_domain=[0, 0, 1, 1])
-    # all-reduce: 32 B x 2 (P-1)/P = 32 B per run, 5 runs; all-gather: 64 B x 1/2.
-    assert wire["by_kind"] == {"all-reduce": 160.0, "all-gather": 32.0}
-    assert wire["ops"] == {"all-reduce": 5, "all-gather": 1}
-    assert wire["cross_domain"] == {"all-gather": 32.0}  # groups {0,2}, {1,3} span both domains
-
-
 def test_native_a2a_model_scales_as_ep_minus_one_over_ep():
     config = load_config(["configs/tiny.yaml"], ["model.compute_dtype=bfloat16", "model.remat=none"])
-    by_ep = {ep: sweep.native_a2a_bytes(config, {"data": 8 // ep, "expert": ep, "tensor": 1}) for ep in (1, 2, 4, 8)}
+    by_ep = {ep: dry_run.native_a2a_bytes(config, {"data": 8 // ep, "expert": ep, "tensor": 1}) for ep in (1, 2, 4, 8)}
     assert by_ep[1] == 0
     for ep in (4, 8):
         assert by_ep[ep] / by_ep[2] == pytest.approx(((ep - 1) / ep) / 0.5)

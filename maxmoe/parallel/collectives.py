@@ -7,11 +7,20 @@ selects, has the same semantics (including which rows of `output` survive), and 
 differentiable by ordinary autodiff: the transpose of gather + all_to_all + select is
 select + reverse all_to_all + scatter-add, which is the reverse ragged all-to-all.
 
+A dispatch plan names its implementation (`RAGGED_A2A_IMPLS`): "native", "emulate", or
+"balanced_stand_in", which computes nothing meaningful but has the native collective's
+buffers and balanced-routing bytes, so a CPU compile (the sweep's dry run) can describe
+the GPU program's memory and traffic.
+
 Legend: K slices (a multiple of the axis size), M rows of `output`, N rows of `operand`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+RAGGED_A2A_IMPLS = ("native", "emulate", "balanced_stand_in")
 
 # Platform names as reported by `jax.default_backend()` / `Device.platform`;
 # "gpu" is what jax reports for a CUDA or ROCm backend.
@@ -147,3 +156,36 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
     writer_M = jnp.max(jnp.where(written_KM, slice_ids_K[:, None], -1), axis=0)
     received_M = received_KM[jnp.clip(writer_M, 0, num_slices - 1), rows_M]
     return jnp.where(_with_row_dims(writer_M >= 0, output), received_M, output)
+
+
+def balanced_stand_in(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """Stand-in with the native collective's shapes and balanced-routing bytes (dry runs only).
+
+    Moves min(N, M) rows with one dense all_to_all ((P-1)/P of them leave the device) and
+    writes them into `output`; the values are meaningless, the buffers and bytes are the
+    GPU program's.
+    """
+    p = jax.lax.axis_size(axis_name)
+    rows = min(operand.shape[0], output.shape[0])
+    padded = -(-rows // p) * p
+    chunk = jnp.pad(operand[:rows], [(0, padded - rows)] + [(0, 0)] * (operand.ndim - 1))
+    moved = jax.lax.all_to_all(chunk, axis_name, 0, 0, tiled=True)[:rows]
+    # Keep the size arguments live, as the real op reads them.
+    moved = moved + (send_sizes.sum() + recv_sizes.sum() + input_offsets[0] + output_offsets[0]).astype(moved.dtype) * 0
+    return jax.lax.dynamic_update_slice(output, moved, (0,) * output.ndim)
+
+
+def ragged_all_to_all_impl(impl: str):
+    """The ragged all-to-all named `impl` (one of RAGGED_A2A_IMPLS).
+
+    Returns a function with `jax.lax.ragged_all_to_all`'s arguments (operand, output,
+    input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name).
+
+    Raises:
+        ValueError: for a name not in RAGGED_A2A_IMPLS.
+    """
+    if impl == "balanced_stand_in":
+        return balanced_stand_in
+    if impl not in RAGGED_A2A_IMPLS:
+        raise ValueError(f"unknown ragged all-to-all implementation {impl!r}; expected one of {RAGGED_A2A_IMPLS}")
+    return functools.partial(ragged_all_to_all, emulate=impl == "emulate")

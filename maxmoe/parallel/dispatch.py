@@ -52,7 +52,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from maxmoe.config import DISPATCH_STRATEGIES
 from maxmoe.parallel import dispatch_shard
-from maxmoe.parallel.collectives import has_native_ragged_all_to_all
+from maxmoe.parallel.collectives import RAGGED_A2A_IMPLS, has_native_ragged_all_to_all
 from maxmoe.parallel.dispatch_shard import expert_swiglu
 
 # Logical axes of the routed experts' weights: the model declares its parameters with them and
@@ -116,7 +116,9 @@ class DispatchPlan:
         token_axes: mesh axes the flattened token dim is sharded over inside the shard_map.
         expert_axis: the mesh axis experts are sharded over (tokens are exchanged over it).
         tensor_axis: the mesh axis F is sharded over, or None when F is whole on every device.
-        emulate_ragged_a2a: use the dense emulation of ragged all-to-all (CPU).
+        a2a_impl: the ragged all-to-all of ragged_a2a, one of RAGGED_A2A_IMPLS: "native"
+            (GPU, TPU), "emulate" (the dense emulation, CPU) or "balanced_stand_in" (native
+            buffers and balanced-routing bytes, for compiling a GPU-shaped program on CPU).
         buffer_factor: ragged_a2a receive buffer in units of n x K rows; 0 = dropless.
         capacity_factor: capacity strategy slots per expert in units of n x K / E.
         grouped_matmul: grouped GEMM backend for ragged_a2a and allgather.
@@ -127,10 +129,14 @@ class DispatchPlan:
     token_axes: tuple
     expert_axis: str
     tensor_axis: str | None
-    emulate_ragged_a2a: bool
+    a2a_impl: str
     buffer_factor: float = 0.0
     capacity_factor: float = 1.25
     grouped_matmul: str = "ragged_dot"
+
+    def __post_init__(self):
+        if self.a2a_impl not in RAGGED_A2A_IMPLS:
+            raise ValueError(f"unknown a2a_impl {self.a2a_impl!r}; expected one of {RAGGED_A2A_IMPLS}")
 
     @property
     def token_shards(self) -> int:
@@ -183,7 +189,7 @@ class DispatchPlan:
                 num_experts=num_experts,
                 buffer_rows=self.buffer_rows(n, k, num_experts),
                 expert_axis=self.expert_axis,
-                emulate=self.emulate_ragged_a2a,
+                a2a_impl=self.a2a_impl,
                 backend=self.grouped_matmul,
             )
         elif self.strategy == "allgather":
@@ -289,7 +295,7 @@ def make_dispatch_plan(
         token_axes=tuple(axes),
         expert_axis=expert_axis,
         tensor_axis=f_axis,
-        emulate_ragged_a2a=emulate,
+        a2a_impl="emulate" if emulate else "native",
         buffer_factor=moe_config.buffer_factor,
         capacity_factor=moe_config.capacity_factor,
         grouped_matmul=moe_config.grouped_matmul,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxmoe.parallel.collectives import ragged_all_to_all
+from maxmoe.parallel.collectives import ragged_all_to_all_impl
 from maxmoe.parallel.grouped_matmul import grouped_matmul
 
 
@@ -69,7 +69,7 @@ def ragged_a2a_shard(
     num_experts,
     buffer_rows,
     expert_axis,
-    emulate,
+    a2a_impl,
     backend,
 ):
     """Dropless (or buffer-bounded) dispatch with two ragged all-to-alls over `expert_axis`.
@@ -77,8 +77,10 @@ def ragged_a2a_shard(
     The receive buffer holds `buffer_rows` rows, laid out source-major: rows from expert
     rank 0 first, then rank 1, ... (each source's rows sorted by local expert). When the
     rows bound for a rank exceed the buffer, the later sources' tail rows (their highest
-    local experts) are not sent; they are dropped and counted.
+    local experts) are not sent; they are dropped and counted. `a2a_impl` names the
+    ragged all-to-all (`maxmoe.parallel.collectives.RAGGED_A2A_IMPLS`).
     """
+    ragged_all_to_all = ragged_all_to_all_impl(a2a_impl)
     n, k = expert_ids_nK.shape
     ranks = jax.lax.axis_size(expert_axis)
     me = jax.lax.axis_index(expert_axis)
@@ -105,7 +107,6 @@ def ragged_a2a_shard(
         recv_offset_SR[me],
         sent_SR[:, me],
         axis_name=expert_axis,
-        emulate=emulate,
     )
 
     # Regroup the received rows by local expert (stable: source-major inside an expert).
@@ -126,7 +127,6 @@ def ragged_a2a_shard(
         send_start_SR[:, me],
         sent_SR[me],
         axis_name=expert_axis,
-        emulate=emulate,
     )
     y_nD = combine(returned_MD[inverse_permutation(order)], weights_nK)
     dropped = (wanted_SR[me] - sent_SR[me]).sum()

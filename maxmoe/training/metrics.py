@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from maxmoe.config import UserError
+from maxmoe.training.progress import ProgressDisplay
+
 
 def _clean(value: Any) -> Any:
     """JSON-safe scalars: numpy/jax numbers to float/int, NaN/inf to None."""
@@ -63,11 +66,12 @@ class MetricsLogger:
         self.enabled = enabled
         self.total_steps = total_steps
         self.start_step = start_step
-        self.stream = stream or sys.stdout
-        self.bar = progress == "bar" or (progress == "auto" and self.stream.isatty())
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
         self._file = None
+        self.display = ProgressDisplay(
+            total_steps, mode=progress if enabled else "off", stream=stream or sys.stdout, completed=start_step
+        )
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,8 +81,6 @@ class MetricsLogger:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
-                from maxmoe.config import UserError
-
                 raise UserError("run.tensorboard=true needs tensorboardX (pip install 'maxmoe[logging]')") from None
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
@@ -96,12 +98,8 @@ class MetricsLogger:
         self._show(record)
 
     def message(self, text: str) -> None:
-        """A plain line on the console (ends any progress bar line first)."""
-        if self.enabled:
-            if self.bar:
-                self.stream.write("\n")
-            self.stream.write(text + "\n")
-            self.stream.flush()
+        """A line on the console that stays (above the progress bar on a terminal)."""
+        self.display.print(text)
 
     def _show(self, r: dict[str, Any]) -> None:
         step = r["step"]
@@ -117,18 +115,11 @@ class MetricsLogger:
             f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
             f"MFU {mfu}  ETA {_duration(eta)}"
         )
-        if self.bar:
-            width = 24
-            filled = int(width * step / max(self.total_steps, 1))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+        self.display.update(step, text)
 
     def close(self) -> None:
+        self.display.close()
         if self._file is not None:
-            if self.bar:
-                self.stream.write("\n")
             self._file.close()
             self._file = None
         if self._tb is not None:

@@ -1,0 +1,184 @@
+"""The sweep's dry run: one training step compiled ahead of time on fake CPU devices, described.
+
+N fake CPU devices; one training step (donated state, as train.py jits it) is compiled
+ahead of time from abstract shapes -- nothing is allocated -- and per shape it reports,
+per device:
+  memory      compiled.memory_analysis(): arguments, outputs, temp, aliased (donated) and
+              total = arguments + outputs - aliased + temp; `fits` = total <= --hbm-gb.
+  collectives bytes each device puts on the wire per step, by kind, from the compiled HLO
+              (maxmoe.hlo.collective_bytes):
+              all-gather / all-to-all (P-1)/P of the result, reduce-scatter (P-1) x its
+              result, all-reduce 2 (P-1)/P of it (ring), collective-permute its result,
+              ops inside loops multiplied by the trip count (scanned layers, grad
+              accumulation). `cross-domain` sums the ops whose replica groups hold devices
+              of more than one scale-up domain.
+  flops       analytic model FLOPs per device per step (maxmoe.flops).
+The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
+whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
+its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
+collective's shapes instead (the dispatch plan's a2a_impl="balanced_stand_in"): a dense
+all-to-all of min(N, M) rows -- what a native ragged all-to-all moves under balanced
+routing, (P-1)/P of the n x K token copies -- written into the same [M, D] output buffer.
+`--a2a emulate` compiles the emulation as the CPU runs it, reports its all-to-all bytes as
+`emulated_all_to_all`, replaces them by the analytic native figure and marks the memory as
+an upper bound. Either way `native_a2a_bytes` is the analytic figure: n x K x D x bytes x
+(P-1)/P per call, two calls (dispatch, combine) per MoE layer forward, twice that backward,
+and one more forward under remat (recompute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from maxmoe.config import Config
+from maxmoe.flops import flops_per_token
+from maxmoe.hlo import collective_bytes
+from maxmoe.mesh import build_layout, device_domains
+from maxmoe.training.programs import build_programs
+
+GB = 1e9
+FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# What a report records as its method: the module docstring past its first line.
+METHOD = __doc__.split("\n\n", 1)[1].strip()
+
+# ---------------------------------------------------------------------------------------
+# The analytic model
+
+
+def tokens_per_shard(config: Config, sizes: dict[str, int]) -> int:
+    """Tokens of one (data, expert) shard in one micro-batch."""
+    t = config.train
+    return math.ceil(t.batch_size // t.grad_accum * t.seq_len / (sizes["data"] * sizes["expert"]))
+
+
+def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> float:
+    """Per-device bytes per step of native ragged all-to-alls under balanced routing.
+
+    n x K x D x bytes x (P-1)/P per call; dispatch + combine per MoE layer forward, the
+    same again backward, and the forward again where remat recomputes it (scanned MoE
+    layers; the MTP block is not rematerialised); times grad_accum micro-batches.
+    """
+    m = config.model
+    p = sizes["expert"]
+    if p <= 1:
+        return 0.0
+    width = 2 if m.compute_dtype == "bfloat16" else 4
+    per_call = tokens_per_shard(config, sizes) * m.experts_per_token * m.hidden_size * width * (p - 1) / p
+    passes_scanned = 6 if m.remat != "none" else 4
+    calls = (m.num_layers - m.first_k_dense) * passes_scanned + m.mtp_num_layers * 4
+    return per_call * calls * config.train.grad_accum
+
+
+def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
+    """Rough extra temp of the CPU emulation per call: the sent and received [P, M, D] blocks."""
+    m = config.model
+    p = sizes["expert"]
+    if plan is None or p <= 1:
+        return 0.0
+    width = 2 if m.compute_dtype == "bfloat16" else 4
+    rows = plan.buffer_rows(tokens_per_shard(config, sizes), m.experts_per_token, m.num_experts)
+    return 2.0 * p * rows * m.hidden_size * width
+
+
+# ---------------------------------------------------------------------------------------
+# Compiling one step
+
+
+def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy") -> dict:
+    """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
+
+    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring).
+    """
+    start = time.perf_counter()
+    layout = build_layout(shaped, list(mesh.devices.flat), platform="cpu")
+    mesh = layout.mesh
+    plan = layout.dispatch_plan
+    ragged = plan is not None and plan.strategy == "ragged_a2a" and plan.expert_ranks > 1
+    if ragged and a2a == "proxy":
+        layout = dataclasses.replace(layout, dispatch_plan=dataclasses.replace(plan, a2a_impl="balanced_stand_in"))
+    programs = build_programs(shaped, layout)
+    lowered = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(shaped)).lower()
+    lower_s = time.perf_counter() - start
+    # LLVM's optimisation level changes code speed, not the HLO buffer assignment the memory
+    # figures come from; skipping its expensive passes halves compile time on a small CPU.
+    compiled = lowered.compile(compiler_options=FAST_CPU_COMPILE)
+    compile_s = time.perf_counter() - start - lower_s
+    mem = compiled.memory_analysis()
+    devices = list(mesh.devices.flat)
+    domain = device_domains(devices, shaped.mesh.scale_up_domain)
+    wire = collective_bytes(compiled.as_text(), domain)
+    by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
+    notes = []
+    if shaped.model.compute_dtype == "bfloat16" and by_kind.get("all-to-all"):
+        # XLA:CPU computes bf16 in f32 (float normalisation), so the dispatch's all-to-alls of
+        # bf16 activations appear as f32; the GPU moves them in bf16.
+        by_kind["all-to-all"] /= 2
+        if "all-to-all" in cross:
+            cross["all-to-all"] /= 2
+        notes.append(
+            "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
+            "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
+        )
+    native = native_a2a_bytes(shaped, sizes) if ragged else 0.0
+    memory_bound = "compiled"
+    emulation_temp = 0.0
+    if ragged and a2a == "emulate":
+        emulated = by_kind.pop("all-to-all", 0.0)
+        cross.pop("all-to-all", None)
+        by_kind["emulated_all_to_all"] = emulated
+        by_kind["all-to-all"] = native
+        emulation_temp = emulation_temp_bytes(shaped, sizes, plan)
+        memory_bound = "upper bound"
+        notes.append(
+            "all-to-all: analytic native bytes replace the emulation's (emulated_all_to_all); memory is "
+            f"an upper bound: the emulation adds roughly {emulation_temp / GB:.2f} GB of [P, M, D] blocks "
+            "per live call"
+        )
+    elif ragged:
+        notes.append("all-to-all: measured on the native-shaped stand-in (balanced routing)")
+    wire_kinds = {k: v for k, v in by_kind.items() if k != "emulated_all_to_all"}
+    arg, out, alias, temp = (
+        mem.argument_size_in_bytes,
+        mem.output_size_in_bytes,
+        mem.alias_size_in_bytes,
+        mem.temp_size_in_bytes,
+    )
+    total = arg + out - alias + temp
+    t = shaped.train
+    tokens = t.batch_size * t.seq_len
+    flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
+    if shaped.mesh.scale_up_domain:
+        domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
+    else:
+        domain_note = f"{len(set(domain))} domain(s) (one per process)"
+    return {
+        "devices": mesh.size,
+        "dispatch": plan.strategy if plan else "local",
+        "a2a_model": a2a if ragged else "-",
+        "memory": {
+            "argument": arg,
+            "output": out,
+            "alias": alias,
+            "temp": temp,
+            "total": total,
+            "generated_code": getattr(mem, "generated_code_size_in_bytes", 0),
+            "kind": memory_bound,
+            "emulation_temp_estimate": emulation_temp,
+        },
+        "fits": total <= hbm_gb * GB,
+        "hbm_gb": hbm_gb,
+        "collectives": by_kind,
+        "collective_ops": wire["ops"],
+        "collective_total": sum(wire_kinds.values()),
+        "cross_domain": cross,
+        "cross_domain_total": sum(v for k, v in cross.items() if k != "emulated_all_to_all"),
+        "native_a2a_bytes": native,
+        "tokens_per_shard": tokens_per_shard(shaped, sizes),
+        "flops_per_device": flops,
+        "domains": domain_note,
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "notes": notes,
+    }

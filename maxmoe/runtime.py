@@ -1,0 +1,63 @@
+"""Process setup before the backend starts: host device count, XLA flags, jax.distributed.
+
+JAX fixes the CPU device count and XLA reads `XLA_FLAGS` when the first backend starts, and
+`jax.distributed` must connect before that too. Importing jax starts nothing, so entry points
+import freely and call one of these from main() (or their top-level function) before any
+jax computation:
+
+  setup(config)          what a training job needs: run.cpu_devices host devices, the
+                         config's XLA flag profile, jax.distributed (train.py, benchmarks)
+  set_host_device_count  N host CPU devices, nothing else (lowering for another platform)
+  use_cpu_devices        N fake CPU devices and the CPU backend only (the sweep's dry run,
+                         CPU benchmarks)
+
+tests/conftest.py sets XLA_FLAGS itself, before pytest imports jax; that is the one
+pre-backend step outside this module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from maxmoe import distributed, xla_flags
+from maxmoe.config import Config
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def set_host_device_count(count: int) -> None:
+    """Ask the CPU backend for `count` devices (0: leave as is); must run before jax starts a backend."""
+    if count <= 0:
+        return
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={count}"])
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except (AttributeError, RuntimeError):
+        pass  # older jax reads the XLA flag above
+
+
+def use_cpu_devices(count: int, *, force: bool = True) -> None:
+    """`count` host CPU devices and only the CPU backend, whatever accelerators the host has.
+
+    With `force=False` a platform named in JAX_PLATFORMS wins (a script meant for fake CPU
+    devices that may also be pointed at real ones).
+    """
+    set_host_device_count(count)
+    if force or "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+
+
+def setup(config: Config, *, distributed_init: bool = True) -> list[str]:
+    """Set up this process for `config`: host devices, XLA flags, then jax.distributed.
+
+    Returns the effective XLA flags (see `maxmoe.xla_flags.apply`). `distributed_init=False`
+    skips jax.distributed (single-process tools that run beside a launcher's environment).
+    """
+    set_host_device_count(config.run.cpu_devices)
+    flags = xla_flags.apply(config)
+    if distributed_init:
+        distributed.initialize(config.dist)
+    return flags
