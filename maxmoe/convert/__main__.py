@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from maxmoe.cli import _Parser, main_guard
+from maxmoe.convert import hf
 
 
 def build_parser() -> _Parser:
@@ -40,8 +41,6 @@ def build_parser() -> _Parser:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from maxmoe.convert import hf
-
     if args.command == "from-hf":
         out = hf.convert_from_hf(args.hf_dir, args.out, args.dtype)
         print(f"maxmoe: wrote {out}/checkpoints and {out}/config.yaml")
