@@ -22,7 +22,8 @@ import yaml
 # Names other modules import rather than spell out again.
 MESH_AXES = ("data", "expert", "tensor")  # outermost (spans scale-up domains) to innermost
 DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
-GROUPED_MATMUL_BACKENDS = ("ragged_dot", "dense_loop")  # maxmoe.parallel.grouped_matmul
+GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "dense_loop")  # maxmoe.parallel.grouped_matmul
+ATTENTION_IMPLEMENTATIONS = ("xla", "chunked", "triton", "cudnn")  # model/attention_ops, parallel/attention_kernels
 XLA_PROFILES = ("h100", "h200", "b200", "gb200", "gb300")  # GPU systems with a flag profile (maxmoe.xla_flags)
 
 
@@ -80,6 +81,12 @@ class ModelConfig:
     mtp_loss_weight: float = _field(0.3, ge=0)
     compute_dtype: str = _field("bfloat16", choices=("bfloat16", "float32"))
     remat: str = _field("none", choices=("none", "full", "save_matmuls"))
+    attention: str = _field(
+        "auto",
+        choices=("auto",) + ATTENTION_IMPLEMENTATIONS,
+        doc="auto: triton on NVIDIA GPUs, chunked elsewhere (maxmoe.parallel.kernel_choice)",
+    )
+    attention_chunk: int = _field(512, gt=0, doc="chunked attention: block length (largest divisor of T up to this)")
     init_std: float = _field(0.02, gt=0)
 
 
@@ -90,7 +97,11 @@ class MoEConfig:
     dispatch: str = _field("auto", choices=("auto",) + DISPATCH_STRATEGIES)
     capacity_factor: float = _field(1.25, gt=0, doc="capacity dispatch: slots per expert / even share")
     buffer_factor: float = _field(0.0, ge=0, doc="0: dropless receive buffers; >0 bounds them")
-    grouped_matmul: str = _field("ragged_dot", choices=GROUPED_MATMUL_BACKENDS)
+    grouped_matmul: str = _field(
+        "auto",
+        choices=("auto",) + GROUPED_MATMUL_BACKENDS,
+        doc="auto: mosaic_gpu on Hopper GPUs, ragged_dot elsewhere (maxmoe.parallel.kernel_choice)",
+    )
     emulate_ragged_a2a: str = _field(
         "auto", choices=("auto", "true", "false"), doc="auto: emulate where the backend lacks ragged all-to-all"
     )
@@ -150,6 +161,9 @@ class TrainConfig:
     eps: float = _field(1e-8, gt=0)
     weight_decay: float = _field(0.1, ge=0)
     clip_norm: float = _field(1.0, ge=0, doc="0: no clipping")
+    loss_chunk: int = _field(
+        512, ge=0, doc="cross-entropy over blocks of this many positions, logits never whole; 0: whole [B, T, V]"
+    )
     log_every: int = _field(10, gt=0)
     eval_every: int = _field(100, gt=0)
     eval_batches: int = _field(4, gt=0)

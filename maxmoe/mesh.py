@@ -131,13 +131,23 @@ def logical_to_spec(
 class Layout:
     """A mesh with its rules: what the model and the train step use to place arrays.
 
-    The model calls `constrain(x, logical_axes)` and reads `dispatch_plan`; it never names
-    a mesh axis itself.
+    The model calls `constrain(x, logical_axes)`, reads `dispatch_plan` and the kernel
+    choices, and runs attention kernels through `attention`; it never names a mesh axis.
+
+    Attributes:
+        mesh, rules: the device mesh and the logical -> mesh axis rules.
+        dispatch_plan: expert parallelism on a mesh of more than one device, else None.
+        platform: the platform programs are built for ("cpu", "cuda", ...).
+        grouped_matmul, attention: the implementations `auto` resolved to
+            (maxmoe.parallel.kernel_choice.Choice: name and reason).
     """
 
     mesh: Mesh
     rules: dict
     dispatch_plan: Any = None
+    platform: str = "cpu"
+    grouped_matmul: Any = None
+    attention: Any = None
 
     @property
     def shape(self) -> dict[str, int]:
@@ -154,6 +164,15 @@ class Layout:
             return x
         return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes))
 
+    def attention_fn(self, name: str):
+        """fn(q, k, v, scale) for attention kernel `name` [batch, seq, heads, head_dim], placed on the mesh."""
+        from maxmoe.parallel.attention_kernels import kernel, sharded_attention
+
+        interpret = self.platform != "cuda"  # Pallas kernels run in interpret mode off the GPU
+        if self.mesh.size == 1:
+            return lambda q, k, v, scale: kernel(name)(q, k, v, scale, interpret=interpret)
+        return sharded_attention(name, self.mesh, self.spec(("batch", "seq", "heads", "head_dim")), interpret=interpret)
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
@@ -167,19 +186,36 @@ class Layout:
         )
 
 
-def build_layout(config: Config, devices: Sequence[Any] | None = None, platform: str | None = None) -> Layout:
-    """The mesh, its rules and (on more than one device) the expert dispatch plan.
+def build_layout(
+    config: Config,
+    devices: Sequence[Any] | None = None,
+    platform: str | None = None,
+    device_kind: str | None = None,
+) -> Layout:
+    """The mesh, its rules, the kernel choices and (on more than one device) the expert dispatch plan.
 
     `platform` names the backend the program is for when it is not the one running
-    (lowering for CUDA on a CPU host); it decides whether ragged all-to-all is native.
+    (lowering for CUDA on a CPU host); it decides whether ragged all-to-all is native and
+    which kernels `auto` means. `device_kind` (e.g. "NVIDIA H200") tells GPU generations
+    apart; default: the running device's when `platform` is this process's, else unknown.
     """
+    from maxmoe.parallel.kernel_choice import normalise_platform, resolve_attention, resolve_grouped_matmul, target
+
     mesh = build_mesh(config, devices)
     rules = resolve_rules(config)
+    here, here_kind = target()
+    platform = normalise_platform(platform or here)
+    if device_kind is None:
+        device_kind = here_kind if platform == here else ""
+    dtype = config.model.compute_dtype
+    grouped = resolve_grouped_matmul(config.moe.grouped_matmul, platform, device_kind, dtype)
+    attention = resolve_attention(config.model.attention, platform, device_kind, dtype)
     plan = None
     if mesh.size > 1:
         plan = make_dispatch_plan(
             mesh,
             config.moe,
+            grouped_matmul=grouped.name,
             token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
             expert_axis="expert",
             tensor_axis="tensor",
@@ -188,4 +224,4 @@ def build_layout(config: Config, devices: Sequence[Any] | None = None, platform:
                 name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in EXPERT_WEIGHT_AXES.items()
             },
         )
-    return Layout(mesh, rules, plan)
+    return Layout(mesh, rules, plan, platform, grouped, attention)

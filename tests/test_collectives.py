@@ -385,5 +385,5 @@ def test_grouped_matmul_keeps_input_dtype():
 
 
 def test_grouped_matmul_rejects_unknown_backend():
-    with pytest.raises(ValueError, match="'megablox'.*'ragged_dot', 'dense_loop'"):
+    with pytest.raises(ValueError, match="'megablox'.*'ragged_dot', 'mosaic_gpu', 'dense_loop'"):
         grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.array([2]), backend="megablox")

@@ -16,18 +16,28 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from maxmoe.model.attention_ops import chunked_attention, xla_attention
 from maxmoe.model.layers import RMSNorm, constrain, logical_param
 from maxmoe.model.rope import apply_rope, attention_scale
 
 
-def causal_attention(q_BTHK, k_BSHK, v_BSHK, scale: float) -> jax.Array:
-    """Softmax(q k^T * scale) v with a causal mask; scores and softmax in float32."""
-    scores = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
-    t, s = q_BTHK.shape[1], k_BSHK.shape[1]
-    mask_TS = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
-    scores = jnp.where(mask_TS, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSHK.dtype)
-    return jnp.einsum("bhts,bshk->bthk", probs, v_BSHK)
+def attention_core(config, layout: Any = None):
+    """fn(q, k, v, scale) for `config.attention` (resolved by the layout; no layout: this process's platform)."""
+    if layout is not None:
+        name = layout.attention.name
+    else:
+        from maxmoe.parallel.kernel_choice import resolve_attention, target
+
+        name = resolve_attention(config.attention, *target(), config.compute_dtype).name
+    if name == "xla":
+        return xla_attention
+    if name == "chunked":
+        return lambda q, k, v, scale: chunked_attention(q, k, v, scale, config.attention_chunk)
+    if layout is not None:
+        return layout.attention_fn(name)
+    from maxmoe.parallel.attention_kernels import kernel
+
+    return lambda q, k, v, scale: kernel(name)(q, k, v, scale, interpret=jax.default_backend() != "gpu")
 
 
 class MLA(nn.Module):
@@ -75,6 +85,6 @@ class MLA(nn.Module):
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BT1R, k_nope.shape[:3] + (rope,))], axis=-1)
         k = constrain(self.layout, k, ("batch", "seq", "heads", "head_dim"))
-        out_BTHK = causal_attention(q, k, v_BSHK, attention_scale(c))
+        out_BTHK = attention_core(c, self.layout)(q, k, v_BSHK, attention_scale(c))
         out_BTHK = constrain(self.layout, out_BTHK, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bthk,hkd->btd", out_BTHK, param("w_out", (h, v, d), ("heads", "head_dim", "embed")))

@@ -34,6 +34,8 @@ class MoE(nn.Module):
         w_down_EFD = logical_param(self, "w_down", (e, f, d), axes["w_down"], std=c.init_std)
         b, t, _ = x_BTD.shape
         plan = None if self.layout is None else self.layout.dispatch_plan
+        # One device: the layout's resolved grouped GEMM; no layout (model-only use): XLA's.
+        grouped = "ragged_dot" if self.layout is None else self.layout.grouped_matmul.name
         routed_BTD, dropped = dispatch.routed_experts(
             x_BTD.astype(self.dtype),
             routing.expert_ids_NK.reshape(b, t, -1),
@@ -42,6 +44,7 @@ class MoE(nn.Module):
             w_up_EDF.astype(self.dtype),
             w_down_EFD.astype(self.dtype),
             plan=plan,
+            grouped_matmul=grouped,
         )
         dropped_var = self.variable("moe_stats", "dropped", lambda: jnp.zeros((), jnp.float32))
         if not self.is_initializing():

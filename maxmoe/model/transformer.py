@@ -90,13 +90,19 @@ def shift_left(x_BT: jax.Array, k: int) -> jax.Array:
 
 
 class Transformer(nn.Module):
-    """The DeepSeek-V3 language model; returns main logits and MTP logits (fp32)."""
+    """The DeepSeek-V3 language model; returns main logits and MTP logits (fp32).
+
+    With `hidden_only=True` it stops before the head and returns the final-normed hidden
+    states of the main model and of each MTP depth ([B, T, D] each, compute dtype); the
+    loss then applies the head (param `head` [D, V]) chunk by chunk, so float32 logits of
+    the whole batch never exist (`maxmoe.training.loss`).
+    """
 
     config: ModelConfig
     layout: Any = None
 
     @nn.compact
-    def __call__(self, tokens_BT: jax.Array):
+    def __call__(self, tokens_BT: jax.Array, hidden_only: bool = False):
         c = self.config
         dtype = COMPUTE_DTYPES[c.compute_dtype]
         b, t = tokens_BT.shape
@@ -110,6 +116,8 @@ class Transformer(nn.Module):
         w_head_DV = logical_param(self, "head", (c.hidden_size, c.vocab_size), ("embed", "vocab"), std=c.init_std)
 
         def head(h_BTD):
+            if hidden_only:
+                return h_BTD
             out = jnp.einsum(
                 "btd,dv->btv", h_BTD.astype(dtype), w_head_DV.astype(dtype), preferred_element_type=jnp.float32
             )

@@ -85,11 +85,13 @@ def local_routed_experts(x_ND, expert_ids_NK, weights_NK, w_gate_EDF, w_up_EDF, 
     return jnp.einsum("nkd,nk->nd", copies_NKD, weights_NK.astype(copies_NKD.dtype))
 
 
-def routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, plan=None):
+def routed_experts(
+    x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, plan=None, grouped_matmul="ragged_dot"
+):
     """Routed MoE output [B, T, D] and the fraction of token copies dropped.
 
-    `plan` is None on one device (all experts local); otherwise it selects the
-    expert-parallel strategy and carries the mesh.
+    `plan` is None on one device (all experts local, grouped GEMM `grouped_matmul`);
+    otherwise it selects the expert-parallel strategy, the grouped GEMM, and carries the mesh.
     """
     b, t, d = x_BTD.shape
     k = expert_ids_BTK.shape[-1]
@@ -101,6 +103,7 @@ def routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_d
             w_gate_EDF,
             w_up_EDF,
             w_down_EFD,
+            grouped_matmul,
         )
         return y.reshape(b, t, d), jnp.zeros((), jnp.float32)
     return plan.routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
@@ -241,13 +244,14 @@ def make_dispatch_plan(
     tensor_axis: str = "tensor",
     weight_specs: dict,
     platform: str | None = None,
+    grouped_matmul: str | None = None,
 ) -> DispatchPlan:
     """The expert-parallel plan for `mesh` and `moe_config` (a MoEConfig).
 
     Args:
         mesh: the device mesh; must have `expert_axis` (and `tensor_axis` if F is sharded).
-        moe_config: reads dispatch ("auto" = "ragged_a2a"), buffer_factor, capacity_factor,
-            grouped_matmul and emulate_ragged_a2a.
+        moe_config: reads dispatch ("auto" = "ragged_a2a"), buffer_factor, capacity_factor
+            and emulate_ragged_a2a.
         token_axes: mesh axis, tuple of axes, or None sharding the batch dim of activations.
             Inside the shard_map tokens are sharded over these axes (minus `tensor_axis`)
             followed by any of data / `expert_axis` not among them: slicing a replicated
@@ -258,6 +262,8 @@ def make_dispatch_plan(
             only whether F is sharded over `tensor_axis` is read (D enters unsharded).
         platform: the platform the program is compiled for ("cpu", "cuda", ...); decides
             whether ragged all-to-all is emulated. Default: jax.default_backend().
+        grouped_matmul: the resolved grouped GEMM backend (maxmoe.parallel.kernel_choice);
+            default: moe_config.grouped_matmul unless that is "auto", then "ragged_dot".
 
     Raises:
         ValueError: for an unknown strategy or axis, or inconsistent F sharding.
@@ -298,5 +304,6 @@ def make_dispatch_plan(
         a2a_impl="emulate" if emulate else "native",
         buffer_factor=moe_config.buffer_factor,
         capacity_factor=moe_config.capacity_factor,
-        grouped_matmul=moe_config.grouped_matmul,
+        grouped_matmul=grouped_matmul
+        or (moe_config.grouped_matmul if moe_config.grouped_matmul != "auto" else "ragged_dot"),
     )

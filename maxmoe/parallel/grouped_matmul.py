@@ -2,10 +2,18 @@
 
 Legend: M rows, D input features, F output features, G groups (local experts).
 
-Backends:
-  "ragged_dot"  `jax.lax.ragged_dot`, one fused grouped GEMM; the production path.
+Backends (`moe.grouped_matmul`; `auto` is resolved per platform by
+`maxmoe.parallel.kernel_choice.resolve_grouped_matmul` before a program is built):
+  "ragged_dot"  `jax.lax.ragged_dot`. On XLA:CPU a loop over groups; on XLA:GPU it is
+                rewritten into one dense dot over a group-broadcast, masked copy of the
+                rows: G times the useful FLOPs, padding rows included. The CPU choice.
+  "mosaic_gpu"  jax's Pallas Mosaic GPU ragged-dot kernels (Hopper): only the valid row
+                tiles, forward and both gradients on the kernels
+                (`maxmoe.parallel.mosaic_ragged_dot`). bf16/f16; sizes multiples of 64.
   "dense_loop"  a plain loop over groups that masks rows and does a full matmul per
                 group: G times the FLOPs, kept as the test oracle and for debugging.
+Pallas kernels are not partitioned by GSPMD: under a mesh they are called inside the
+dispatch's shard_map, on local arrays only.
 """
 
 import jax
@@ -26,22 +34,39 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
         x_MD: [M, D] rows sorted by group.
         w_GDF: [G, D, F] one weight matrix per group.
         group_sizes_G: [G] int, rows per group; sum <= M.
-        backend: one of maxmoe.config.GROUPED_MATMUL_BACKENDS.
+        backend: one of maxmoe.config.GROUPED_MATMUL_BACKENDS (already resolved: not "auto").
 
     Returns:
         [M, F] in the dtype of `x_MD`.
 
     Raises:
-        ValueError: for an unknown backend.
+        ValueError: for an unknown backend, or operands the backend cannot take.
     """
     if backend == "ragged_dot":
         out_MF = jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
+    elif backend == "mosaic_gpu":
+        from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul
+
+        out_MF = mosaic_grouped_matmul(x_MD, w_GDF, group_sizes_G)
     elif backend == "dense_loop":
         out_MF = _dense_loop(x_MD, w_GDF, group_sizes_G)
     else:
         allowed = ", ".join(repr(b) for b in GROUPED_MATMUL_BACKENDS)
         raise ValueError(f"unknown grouped_matmul backend {backend!r}; expected one of {allowed}")
     return out_MF.astype(x_MD.dtype)
+
+
+def grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, *, backend: str = "ragged_dot"):
+    """down(silu(x @ gate) * (x @ up)) per group, with gate and up as one [D, 2F] GEMM.
+
+    The weights stay separate parameters (checkpoints and the HF mapping keep w_gate and
+    w_up); they are concatenated here, on local shards, so the kernel reads x once.
+    """
+    f = w_gate_GDF.shape[2]
+    w_gate_up_GD2F = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=2)
+    gate_up_M2F = grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, backend=backend)
+    hidden_MF = jax.nn.silu(gate_up_M2F[:, :f]) * gate_up_M2F[:, f:]
+    return grouped_matmul(hidden_MF, w_down_GFD, group_sizes_G, backend=backend)
 
 
 def _dense_loop(x_MD, w_GDF, group_sizes_G):

@@ -3,7 +3,8 @@
     state, metrics = train_step(state, batch)
 
 `batch` is int32 [B, T + 1]: inputs are tokens[:, :-1], targets tokens[:, 1:].
-Loss = next-token cross-entropy (fp32 log-softmax)
+Loss = next-token cross-entropy (fp32 log-softmax; with train.loss_chunk > 0 fused with the
+       head in blocks of positions, never holding the whole [B, T, V] logits: training/loss.py)
      + mtp_loss_weight * mean over MTP depths of their cross-entropy
      + seq_aux_alpha * (sum over MoE layers of the sequence-wise balance loss).
 Router biases are not optimizer parameters: after each step every MoE layer's bias moves
@@ -24,7 +25,8 @@ import optax
 from flax import traverse_util
 
 from maxmoe.config import Config
-from maxmoe.model.transformer import abstract_variables, build_model, init_variables, shift_left
+from maxmoe.model.transformer import COMPUTE_DTYPES, abstract_variables, build_model, init_variables, shift_left
+from maxmoe.training.loss import cross_entropy, head_cross_entropy
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -38,17 +40,6 @@ class TrainState(flax.struct.PyTreeNode):
     skipped: jax.Array  # total skipped steps
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array | None = None) -> jax.Array:
-    """Mean token cross-entropy in float32 (over mask == 1 positions)."""
-    logits = logits_BTV.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-    nll = logz - picked
-    if mask_BT is None:
-        return nll.mean()
-    return (nll * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1.0)
-
-
 def _stats_leaves(stats: dict, name: str) -> list[jax.Array]:
     flat = traverse_util.flatten_dict(stats)
     return [v for k, v in flat.items() if k[-1] == name]
@@ -58,18 +49,29 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
     """loss_fn(params, router, batch) -> (loss, aux) for the config's model."""
     model = build_model(config.model, layout)
     weight, alpha = config.model.mtp_loss_weight, config.moe.seq_aux_alpha
+    chunk = config.train.loss_chunk
+    constrain = None if layout is None else layout.constrain
 
     def loss_fn(params, router, batch_BT):
         tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
-        (logits, mtp_logits), variables = model.apply(
-            {"params": params, "router": router}, tokens, mutable=["moe_stats"]
+        (main, mtp), variables = model.apply(
+            {"params": params, "router": router}, tokens, hidden_only=chunk > 0, mutable=["moe_stats"]
         )
-        lm_loss = cross_entropy(logits, targets)
+        if chunk > 0:  # main and mtp are hidden states; the head is applied block by block
+            dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+
+            def loss_of(h_BTD, targets_BT, mask_BT=None):
+                return head_cross_entropy(
+                    h_BTD, params["head"], targets_BT, mask_BT, chunk=chunk, dtype=dtype, constrain=constrain
+                )
+        else:
+            loss_of = cross_entropy
+        lm_loss = loss_of(main, targets)
         t = targets.shape[1]
         mtp_losses = []
-        for k, mtp_BTV in enumerate(mtp_logits, start=1):
+        for k, mtp_BTX in enumerate(mtp, start=1):
             valid = (jnp.arange(t) < t - k).astype(jnp.float32)[None, :]
-            mtp_losses.append(cross_entropy(mtp_BTV, shift_left(targets, k), jnp.broadcast_to(valid, targets.shape)))
+            mtp_losses.append(loss_of(mtp_BTX, shift_left(targets, k), jnp.broadcast_to(valid, targets.shape)))
         mtp_loss = jnp.mean(jnp.stack(mtp_losses)) if mtp_losses else jnp.zeros((), jnp.float32)
         stats = variables["moe_stats"]
         seq_aux = sum((x.sum() for x in _stats_leaves(stats, "seq_aux")), jnp.zeros((), jnp.float32))

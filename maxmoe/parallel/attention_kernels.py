@@ -1,0 +1,142 @@
+"""Causal flash-attention kernels for MLA's shapes, and the shard_map that runs them on a mesh.
+
+Kernels (the model picks one by name through its layout; `auto` is resolved in
+`maxmoe.parallel.kernel_choice`):
+  triton  jax's Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`):
+          forward and backward kernels, causal blocks above the diagonal skipped. On CPU it
+          runs in Pallas interpret mode (slow; the tests' oracle check).
+  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash
+          attention; needs a GPU at trace time (cannot be lowered on a CPU host).
+Both want one head dim for q, k and v, and MLA has qk 192 / v 128: v is padded with zeros
+to the qk dim and the output sliced back, which changes nothing in the result (the padded
+columns of the output are zero and take no gradient back into v).
+
+Pallas and cuDNN calls are custom calls that GSPMD does not partition: under a mesh
+`sharded_attention` runs the kernel inside `jax.shard_map` over the batch and heads axes
+(attention is independent per sequence and head, so no collective is needed). The
+sequence axis must not be sharded.
+
+Axis legend: B batch, T query time, S key time, H heads, K head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+KERNELS = ("triton", "cudnn")
+# Triton pads the head dim to a power of two (192 -> 256); 64 x 64 forward tiles of 256
+# columns fit the shared memory of Hopper with two pipeline stages, 128 x 128 would not.
+TRITON_BLOCK = 64
+TRITON_BACKWARD_BLOCK = 32
+
+
+def _triton_module():
+    with warnings.catch_warnings():
+        # jax >= 0.11 marks the module deprecated in favour of tokamax; the kernel is unchanged.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention
+
+    return attention
+
+
+def triton_available() -> str:
+    """'' when jax ships the Pallas Triton attention kernel, else why not."""
+    try:
+        _triton_module()
+    except Exception as e:  # noqa: BLE001 - any import failure means the kernel is unavailable
+        return f"jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.attention ({type(e).__name__})"
+    return ""
+
+
+def _pad_value_dim(q_BTHK, v_BSHK):
+    extra = q_BTHK.shape[-1] - v_BSHK.shape[-1]
+    if extra < 0:
+        raise ValueError(f"value head dim {v_BSHK.shape[-1]} exceeds the query head dim {q_BTHK.shape[-1]}")
+    return jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, extra)))
+
+
+def _block(size: int, preferred: int) -> int:
+    """The largest power-of-two tile <= preferred that divides size (at least 16)."""
+    block = preferred
+    while block > 16 and size % block:
+        block //= 2
+    if size % block:
+        raise ValueError(f"flash attention needs a sequence length divisible by 16; got {size}")
+    return block
+
+
+def triton_attention(q_BTHK, k_BSHK, v_BSHK, scale: float, *, interpret: bool = False):
+    """Causal softmax(q k^T * scale) v with jax's Pallas Triton kernels (forward and backward)."""
+    attention = _triton_module()
+    t = q_BTHK.shape[1]
+    forward, backward = _block(t, TRITON_BLOCK), _block(t, TRITON_BACKWARD_BLOCK)
+    blocks = attention.BlockSizes(
+        block_q=forward,
+        block_k=forward,
+        block_q_dkv=backward,
+        block_kv_dkv=backward,
+        block_q_dq=backward,
+        block_kv_dq=backward,
+    )
+    v_dim = v_BSHK.shape[-1]
+    out = attention.mha(
+        q_BTHK,
+        k_BSHK,
+        _pad_value_dim(q_BTHK, v_BSHK).astype(q_BTHK.dtype),
+        None,
+        sm_scale=scale,
+        causal=True,
+        block_sizes=blocks,
+        interpret=interpret,
+    )
+    return out[..., :v_dim].astype(v_BSHK.dtype)
+
+
+def cudnn_attention(q_BTHK, k_BSHK, v_BSHK, scale: float, *, interpret: bool = False):
+    """Causal attention on cuDNN's fused kernel (GPU only; bf16/f16)."""
+    del interpret
+    v_dim = v_BSHK.shape[-1]
+    out = jax.nn.dot_product_attention(
+        q_BTHK,
+        k_BSHK,
+        _pad_value_dim(q_BTHK, v_BSHK).astype(q_BTHK.dtype),
+        scale=scale,
+        is_causal=True,
+        implementation="cudnn",
+    )
+    return out[..., :v_dim].astype(v_BSHK.dtype)
+
+
+def kernel(name: str):
+    """The kernel function for a name in KERNELS."""
+    functions = {"triton": triton_attention, "cudnn": cudnn_attention}
+    if name not in functions:
+        raise ValueError(f"unknown attention kernel {name!r}; expected one of {KERNELS}")
+    return functions[name]
+
+
+def sharded_attention(name: str, mesh, spec_BTHK: PartitionSpec, *, interpret: bool = False):
+    """fn(q, k, v, scale) running kernel `name` on local (batch, heads) shards of a mesh.
+
+    `spec_BTHK` is the sharding of q, k, v and the output (as the layout's rules give it
+    for [batch, seq, heads, head_dim]); only batch and heads may be sharded.
+    """
+    spec = tuple(spec_BTHK) + (None,) * (4 - len(tuple(spec_BTHK)))
+    if spec[1] is not None or spec[3] is not None:
+        raise ValueError(
+            f"attention kernel {name!r} needs whole sequences and head dims on every device; sharding is {spec}"
+        )
+    fn = kernel(name)
+
+    def run(q_BTHK, k_BSHK, v_BSHK, scale):
+        body = functools.partial(fn, scale=scale, interpret=interpret)
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(PartitionSpec(*spec),) * 3, out_specs=PartitionSpec(*spec), check_vma=False
+        )(q_BTHK, k_BSHK, v_BSHK)
+
+    return run

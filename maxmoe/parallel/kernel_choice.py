@@ -1,0 +1,105 @@
+"""Which grouped-matmul and attention implementation `auto` means on a platform and device kind.
+
+The choice is made once, when a layout is built (`maxmoe.mesh.build_layout`), for the
+platform the program is compiled for -- which may not be this process's (lowering for CUDA
+on a CPU host) -- and is reported by `python -m maxmoe.info --json` and in the run's log.
+
+| platform / device | grouped matmul | attention |
+|---|---|---|
+| cpu (and anything not below) | ragged_dot | chunked |
+| NVIDIA Hopper (H100, H200, GH200, H800, H20) | mosaic_gpu | triton |
+| NVIDIA Blackwell and older NVIDIA GPUs | ragged_dot, with a warning | triton |
+
+mosaic_gpu (jax's Pallas Mosaic GPU ragged dot) is built on wgmma, which only sm_90a has;
+on other NVIDIA GPUs no maintained grouped GEMM ships with jax, so XLA's ragged_dot (its
+dense rewrite: G x the FLOPs) stays, and the reason says so. A CUDA target of unknown
+device kind counts as Hopper (the GPUs this project is measured on; pass a device kind to
+be exact). Kernels that need bf16 fall back when the model computes in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+HOPPER = ("H100", "H200", "H800", "H20", "GH200")
+BLACKWELL = ("B100", "B200", "B300", "GB200", "GB300", "BLACKWELL")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A resolved implementation and why it was chosen."""
+
+    name: str
+    reason: str
+
+
+def normalise_platform(platform: str) -> str:
+    """jax's backend names ('gpu') to lowering platform names ('cuda')."""
+    return {"gpu": "cuda"}.get(platform, platform)
+
+
+def gpu_generation(device_kind: str) -> str:
+    """'hopper', 'blackwell' or 'other' from a device kind such as 'NVIDIA H200'; '' counts as hopper."""
+    kind = device_kind.upper().replace("NVIDIA", "").strip()
+    if not kind:
+        return "hopper"
+    words = kind.replace("-", " ").split()
+    if any(w.startswith(BLACKWELL) for w in words):
+        return "blackwell"
+    if any(w.startswith(HOPPER) for w in words):
+        return "hopper"
+    return "other"
+
+
+def target() -> tuple[str, str]:
+    """This process's (platform, device kind)."""
+    import jax
+
+    device = jax.devices()[0]
+    return normalise_platform(device.platform), device.device_kind
+
+
+def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16"):
+    """The grouped-matmul backend for `requested` ('auto' or a backend name) on a platform."""
+    if requested != "auto":
+        return Choice(requested, "set in the config")
+    platform = normalise_platform(platform)
+    if platform != "cuda":
+        return Choice("ragged_dot", f"{platform}: XLA's ragged_dot is the grouped GEMM of this backend")
+    generation = gpu_generation(device_kind)
+    label = device_kind or "CUDA (device kind unknown: taken as Hopper)"
+    if generation != "hopper":
+        return Choice(
+            "ragged_dot",
+            f"{label}: no grouped GEMM kernel for this GPU generation ships with jax; XLA's ragged_dot "
+            f"(a dense rewrite that costs G x the useful FLOPs) is used",
+        )
+    if compute_dtype != "bfloat16":
+        return Choice("ragged_dot", f"{label}: the Mosaic GPU kernels need bfloat16; model computes in {compute_dtype}")
+    from maxmoe.parallel.mosaic_ragged_dot import KernelUnavailable, _modules
+
+    try:
+        _modules()
+    except KernelUnavailable as e:
+        return Choice("ragged_dot", f"{label}: {e}")
+    return Choice("mosaic_gpu", f"{label}: jax's Pallas Mosaic GPU ragged dot (Hopper wgmma), only valid row tiles")
+
+
+def resolve_attention(requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16"):
+    """The attention implementation for `requested` ('auto' or a name) on a platform."""
+    if requested != "auto":
+        return Choice(requested, "set in the config")
+    platform = normalise_platform(platform)
+    if platform != "cuda":
+        return Choice("chunked", f"{platform}: XLA flash-style attention, memory linear in sequence length")
+    label = device_kind or "CUDA"
+    from maxmoe.parallel.attention_kernels import triton_available
+
+    problem = triton_available()
+    if problem:
+        return Choice("chunked", f"{label}: {problem}")
+    return Choice(
+        "triton",
+        f"{label}: jax's Pallas Triton flash attention (causal blocks above the diagonal skipped; "
+        f"v padded to the qk head dim)",
+    )

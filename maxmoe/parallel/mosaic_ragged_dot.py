@@ -1,0 +1,253 @@
+"""Grouped GEMM on Hopper GPUs from jax's own Pallas Mosaic GPU kernels, forward and both gradients.
+
+Kernels (jax.experimental.pallas.ops.gpu, the same API in jax 0.10.2, 0.11.x and 0.12):
+  ragged_dot_mgpu.ragged_dot                   out[M, N] = x[M, K] @ w[g] per row group;
+                                               `transpose_rhs=True` reads w as [G, N, K] (dx)
+  transposed_ragged_dot_mgpu.transposed_ragged_dot
+                                               dw[G, K, N] = x_g^T @ dy_g over each group's rows
+Both use `wgmma` (sm_90a): Hopper only. They take bf16/f16 operands (accumulating in f32) and
+need K divisible by the K block. The module is an example that may move between jax
+releases, so it is imported here only, and an import failure is reported as one clear error.
+
+What this wrapper adds:
+- a custom VJP: dx by the forward kernel over the transposed weights, dw by the transposed
+  kernel; jax's own VJP of the kernel does not exist.
+- rows past sum(group_sizes) are zero in the output and in dx (the kernel leaves them
+  unwritten), so padded receive buffers behave as with `jax.lax.ragged_dot`.
+- work that scales with the valid rows: the forward kernel walks every row tile of its
+  input, valid or not, so the rows are cut to the smallest of `BUCKETS` static prefixes
+  (multiples of the row block) that holds them, chosen at run time by `lax.switch`; only
+  that branch runs. The weight-gradient kernel visits only each group's own row blocks.
+- the SM count: the transposed kernel reads `jax.devices()[0].core_count`, which a CPU host
+  lowering for CUDA does not have; there the target's count is supplied (`HOPPER_SMS`).
+
+Legend: M rows, K contraction, N output features, G groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+BUCKETS = 4  # row prefixes the forward kernels may run on: M/4, M/2, 3M/4, M (in whole row blocks)
+HOPPER_SMS = 132  # H100 / H200 SXM; used only when lowering for CUDA without a GPU in this process
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+class KernelUnavailable(RuntimeError):
+    """The Mosaic GPU kernels cannot be imported from this jax."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes of one kernel call: rows (m), output features (n), contraction (k)."""
+
+    m: int = 128
+    n: int = 128
+    k: int = 64
+    stages: int = 4  # TMA pipeline depth (max_concurrent_steps)
+
+
+def _largest_divisor(size: int, options: tuple[int, ...]) -> int | None:
+    return next((b for b in options if size % b == 0), None)
+
+
+def pick_blocks(k: int, n: int) -> Blocks:
+    """Tiles for a [*, k] x [k, n] grouped GEMM; wgmma needs multiples of 64 here.
+
+    Raises:
+        ValueError: when k or n is not a multiple of 64.
+    """
+    block_k = _largest_divisor(k, (64,))
+    block_n = _largest_divisor(n, (128, 64))
+    if block_k is None or block_n is None:
+        raise ValueError(
+            f"the Mosaic GPU grouped matmul needs contraction and output sizes that are multiples of 64; got {k} and {n}"
+        )
+    return Blocks(m=128, n=block_n, k=block_k)
+
+
+def _modules():
+    """jax's Mosaic GPU ragged-dot modules, or KernelUnavailable naming the jax version."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+    except Exception as e:  # noqa: BLE001 - any failure means this jax does not ship usable kernels
+        raise KernelUnavailable(
+            f"jax {jax.__version__} has no usable jax.experimental.pallas.ops.gpu.ragged_dot_mgpu "
+            f"({type(e).__name__}: {e}); use moe.grouped_matmul=ragged_dot"
+        ) from None
+    return ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+
+class _JaxWithTargetDevices(types.SimpleNamespace):
+    """`jax` as seen by a kernel module, except that devices report the target's SM count."""
+
+    def __init__(self, sms: int):
+        super().__init__()
+        self._sms = sms
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    def devices(self, *args, **kwargs):
+        return [types.SimpleNamespace(core_count=self._sms, platform="gpu")]
+
+    local_devices = devices
+
+
+@functools.cache
+def _has_gpu_devices() -> bool:
+    try:
+        return hasattr(jax.devices()[0], "core_count") and jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+def _call_with_sm_count(module, fn, *args, **kwargs):
+    """Call a kernel builder that reads the SM count from jax.devices(), on a host without a GPU too."""
+    if _has_gpu_devices():
+        return fn(*args, **kwargs)
+    saved = module.jax
+    module.jax = _JaxWithTargetDevices(HOPPER_SMS)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        module.jax = saved
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The three raw kernels; tests substitute reference implementations with the same contract.
+
+    forward(x[M, K], w[G, K, N] or [G, N, K] when transpose_rhs, sizes) -> [M, N]: rows of a
+        group are written, rows past the groups are left unspecified.
+    weight_grad(x[M, K], dy[M, N], sizes) -> [G, K, N]: x_g^T dy_g, zero for empty groups.
+    """
+
+    forward: callable
+    weight_grad: callable
+
+
+def mosaic_kernels() -> Kernels:
+    """jax's Hopper kernels behind the `Kernels` contract."""
+    ragged, transposed = _modules()
+
+    def forward(x, w, sizes, transpose_rhs=False):
+        n = w.shape[1] if transpose_rhs else w.shape[2]
+        blocks = pick_blocks(x.shape[1], n)
+        return ragged.ragged_dot(
+            x,
+            w,
+            group_sizes=sizes,
+            block_m=blocks.m,
+            block_n=blocks.n,
+            block_k=blocks.k,
+            max_concurrent_steps=blocks.stages,
+            grid_block_n=1,
+            transpose_rhs=transpose_rhs,
+        )
+
+    def weight_grad(x, dy, sizes):
+        # The kernel's output is [G, K, N]: K (x's features) is its row dim, the rows its contraction.
+        out_blocks = pick_blocks(64, dy.shape[1])
+        return _call_with_sm_count(
+            transposed,
+            transposed.transposed_ragged_dot,
+            x,
+            dy,
+            group_sizes=sizes,
+            block_m=pick_blocks(64, x.shape[1]).n,
+            block_n=out_blocks.n,
+            block_k=out_blocks.k,
+            max_concurrent_steps=out_blocks.stages,
+            grid_block_n=1,
+        )
+
+    return Kernels(forward, weight_grad)
+
+
+def bucket_sizes(rows: int, block: int, buckets: int = BUCKETS) -> tuple[int, ...]:
+    """Static row prefixes, ascending: whole blocks, the last one all `rows`."""
+    blocks = -(-rows // block)
+    sizes = sorted({min(rows, -(-blocks * i // buckets) * block) for i in range(1, buckets + 1)})
+    return tuple(s for s in sizes if s > 0)
+
+
+def _valid_rows(out, total):
+    rows = jnp.arange(out.shape[0])[:, None]
+    return jnp.where(rows < total, out, jnp.zeros((), out.dtype))
+
+
+def _bucketed_forward(kernels: Kernels, x_MK, w, sizes_G, transpose_rhs: bool):
+    """forward() on the smallest row prefix that holds every group's rows; zeros elsewhere."""
+    m = x_MK.shape[0]
+    total = jnp.sum(sizes_G)
+    prefixes = bucket_sizes(m, Blocks().m)
+
+    def run(rows):
+        def branch(x_MK, w, sizes_G):
+            out = _valid_rows(kernels.forward(x_MK[:rows], w, sizes_G, transpose_rhs=transpose_rhs), total)
+            return jnp.pad(out, ((0, m - rows), (0, 0))) if rows < m else out
+
+        return branch
+
+    if len(prefixes) == 1:
+        return run(m)(x_MK, w, sizes_G)
+    index = jnp.searchsorted(jnp.asarray(prefixes, total.dtype), total, side="left")
+    index = jnp.minimum(index, len(prefixes) - 1)
+    return jax.lax.switch(index, [run(p) for p in prefixes], x_MK, w, sizes_G)
+
+
+def make_grouped_matmul(kernels: Kernels):
+    """A differentiable grouped matmul x[M, K] x w[G, K, N] -> [M, N] (x's dtype) over `kernels`."""
+
+    @jax.custom_vjp
+    def grouped_matmul(x_MK, w_GKN, sizes_G):
+        return _bucketed_forward(kernels, x_MK, w_GKN, sizes_G, transpose_rhs=False)
+
+    def forward(x_MK, w_GKN, sizes_G):
+        return grouped_matmul(x_MK, w_GKN, sizes_G), (x_MK, w_GKN, sizes_G)
+
+    def backward(residuals, dy_MN):
+        x_MK, w_GKN, sizes_G = residuals
+        # Rows past the groups carry no gradient; zero them so the kernels never read garbage.
+        dy_MN = _valid_rows(dy_MN.astype(x_MK.dtype), jnp.sum(sizes_G))
+        dx_MK = _bucketed_forward(kernels, dy_MN, w_GKN, sizes_G, transpose_rhs=True)
+        dw_GKN = kernels.weight_grad(x_MK, dy_MN, sizes_G).astype(w_GKN.dtype)
+        return dx_MK, dw_GKN, None
+
+    grouped_matmul.defvjp(forward, backward)
+    return grouped_matmul
+
+
+@functools.cache
+def _mosaic_grouped_matmul():
+    return make_grouped_matmul(mosaic_kernels())
+
+
+def check_operands(x_MK, w_GKN) -> None:
+    """Raise ValueError unless the kernels accept these operands."""
+    if x_MK.dtype not in SUPPORTED_DTYPES or w_GKN.dtype != x_MK.dtype:
+        raise ValueError(
+            f"the Mosaic GPU grouped matmul needs bfloat16 or float16 operands of one dtype; got {x_MK.dtype} and "
+            f"{w_GKN.dtype} (set model.compute_dtype=bfloat16)"
+        )
+    pick_blocks(w_GKN.shape[1], w_GKN.shape[2])
+    pick_blocks(w_GKN.shape[2], w_GKN.shape[1])
+
+
+def mosaic_grouped_matmul(x_MK, w_GKN, sizes_G):
+    """Rows sorted by group times their group's weight, on jax's Hopper Mosaic GPU kernels.
+
+    Same contract as `maxmoe.parallel.grouped_matmul.grouped_matmul`: rows past
+    sum(sizes_G) give zeros; the result has x's dtype; differentiable in x and w.
+    """
+    check_operands(x_MK, w_GKN)
+    return _mosaic_grouped_matmul()(x_MK, w_GKN, sizes_G.astype(jnp.int32))
