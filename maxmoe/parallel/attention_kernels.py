@@ -53,6 +53,28 @@ def triton_available() -> str:
     return ""
 
 
+@functools.cache
+def triton_lowers_here() -> str:
+    """'' when this process can lower the Triton kernel for CUDA, else why not.
+
+    jax 0.10 lowers Pallas Triton kernels for CUDA on a CPU host; newer jax asks the local
+    GPU for its compute capability while lowering, so without a GPU it cannot.
+    """
+    problem = triton_available()
+    if problem:
+        return problem
+    if jax.default_backend() == "gpu":
+        return ""
+    spec = jax.ShapeDtypeStruct((1, 16, 1, 16), jnp.bfloat16)
+    try:
+        jax.jit(functools.partial(triton_attention, scale=1.0)).trace(spec, spec, spec).lower(
+            lowering_platforms=("cuda",)
+        )
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the caller falls back
+        return f"jax {jax.__version__} cannot lower the Pallas Triton kernel without a GPU ({type(e).__name__})"
+    return ""
+
+
 def _pad_value_dim(q_BTHK, v_BSHK):
     extra = q_BTHK.shape[-1] - v_BSHK.shape[-1]
     if extra < 0:

@@ -9,6 +9,7 @@ on a CPU host) -- and is reported by `python -m maxmoe.info --json` and in the r
 | cpu (and anything not below) | ragged_dot | chunked |
 | NVIDIA Hopper (H100, H200, GH200, H800, H20) | mosaic_gpu | triton |
 | NVIDIA Blackwell and older NVIDIA GPUs | ragged_dot, with a warning | triton |
+| CUDA lowered on a host without a GPU, jax >= 0.11 | as above | chunked (Triton cannot lower there) |
 
 mosaic_gpu (jax's Pallas Mosaic GPU ragged dot) is built on wgmma, which only sm_90a has;
 on other NVIDIA GPUs no maintained grouped GEMM ships with jax, so XLA's ragged_dot (its
@@ -93,9 +94,9 @@ def resolve_attention(requested: str, platform: str, device_kind: str = "", comp
     if platform != "cuda":
         return Choice("chunked", f"{platform}: XLA flash-style attention, memory linear in sequence length")
     label = device_kind or "CUDA"
-    from maxmoe.parallel.attention_kernels import triton_available
+    from maxmoe.parallel.attention_kernels import triton_lowers_here
 
-    problem = triton_available()
+    problem = triton_lowers_here()
     if problem:
         return Choice("chunked", f"{label}: {problem}")
     return Choice(
