@@ -72,3 +72,24 @@ def test_info_lower_cuda_prints_counts():
         "collective_permute",
     }
     assert int(counts["ragged_all_to_all"]) >= 2
+
+
+def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot():
+    """The tiny step for an H200 (bf16, sizes multiples of 64): Mosaic GPU grouped GEMMs, flash attention."""
+    from maxmoe.mesh import build_layout
+
+    config = load_config(
+        [TINY],
+        ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16"]
+        + ["model.compute_dtype=bfloat16", "model.hidden_size=128", "model.moe_mlp_dim=64"],
+    )
+    layout = build_layout(config, platform="cuda", device_kind="NVIDIA H200")
+    assert layout.grouped_matmul.name == "mosaic_gpu"
+    text = lower_train_step(config, "cuda").as_text()
+    # Forward (gate+up, down), dx and dw of each, in the scanned MoE layer and the MTP layer.
+    assert len(re.findall(r"custom_call @mosaic_gpu_v2", text)) >= 12
+    assert not re.findall(r"(chlo|stablehlo)\.ragged_dot", text)
+    if layout.attention.name == "triton":  # jax 0.10 lowers Triton without a GPU; newer jax falls back to chunked
+        assert re.findall(r"xla\.gpu\.triton", text)
+    else:
+        assert layout.attention.name == "chunked" and "without a GPU" in layout.attention.reason
