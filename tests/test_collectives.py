@@ -349,7 +349,7 @@ def test_grouped_matmul_backends_match_numpy(case):
     x = rng.standard_normal((16, 8)).astype(np.float32)
     w = rng.standard_normal((4, 8, 5)).astype(np.float32)
     want = numpy_grouped_matmul(x, w, group_sizes)
-    for backend in GROUPED_MATMUL_BACKENDS:
+    for backend in [b for b in GROUPED_MATMUL_BACKENDS if b != "mosaic_gpu"]:  # GPU only: see test_kernels.py
         got = jax.jit(grouped_matmul, static_argnames="backend")(x, w, group_sizes, backend=backend)
         assert got.dtype == jnp.float32 and got.shape == (16, 5)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0, err_msg=backend)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from maxmoe.config import (
+    ATTENTION_IMPLEMENTATIONS,
     DISPATCH_STRATEGIES,
     GROUPED_MATMUL_BACKENDS,
     MESH_AXES,
@@ -232,6 +233,7 @@ def _spelled_out(names) -> re.Pattern:
         (MESH_AXES, "config.py"),
         (DISPATCH_STRATEGIES, "config.py"),
         (GROUPED_MATMUL_BACKENDS, "config.py"),
+        (ATTENTION_IMPLEMENTATIONS, "config.py"),
         (XLA_PROFILES, "config.py"),
         (EXPERT_WEIGHT_AXES["w_gate"], "parallel/dispatch.py"),
         (EXPERT_WEIGHT_AXES["w_down"], "parallel/dispatch.py"),
