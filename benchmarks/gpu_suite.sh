@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One-GPU performance suite: matmul peak, grouped-matmul backends, proxy_1gpu training throughput
-# under each XLA flag profile (none, auto = the GPU's own profile) and remat choice (full,
-# save_matmuls). Needs only the core dependencies; run from the repository root:
+# One-GPU kernel suite, each part under its own timeout (whole suite < 8 minutes on one H200):
+#   1. grouped matmul (100 s): bf16 matmul peak; every backend, forward and forward+backward, at the
+#      proxy_1gpu shape and the 671B per-GPU shape, half the buffer rows valid
+#   2. attention (100 s): forward+backward per implementation at (B=1, H=128, T=4096), (B=8, H=16, T=4096)
+#   3. proxy_1gpu training step (240 s): tokens/s and MFU per kernel combination, best first (each
+#      variant's row is written as soon as it is measured, so a timeout keeps the finished ones)
+# Needs only the core dependencies (jax's own Pallas kernels); run from the repository root:
 #
-#     bash benchmarks/gpu_suite.sh               # one NVIDIA GPU, under 8 minutes
+#     bash benchmarks/gpu_suite.sh               # one NVIDIA GPU
 #     bash benchmarks/gpu_suite.sh --cpu-smoke   # the same pipeline, tiny sizes on CPU (seconds)
 #
 # Prints one table last and writes suite.json plus each part's JSON to $OUT if set, else
-# runs/gpu_suite/. PYTHON overrides the interpreter (default python3).
-set -euo pipefail
+# runs/gpu_suite/. A part that times out or fails leaves its rows out and says so; the others
+# still report. PYTHON overrides the interpreter (default python3).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
@@ -19,52 +24,91 @@ if [[ "${1:-}" == "--cpu-smoke" ]]; then
   export JAX_PLATFORMS=cpu
   # LLVM optimisation only changes how fast the CPU code runs; skipping it halves compile time.
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  PEAK=(--peak 128 --repeats 2)
-  GROUPED=(--rows 256 --d 64 --f 32 --groups 8 --repeats 2)
+  GROUPED=(--shape small --peak 128 --repeats 2 --backend ragged_dot --backend mosaic_gpu)
+  ATTENTION=(--case 1,2,64 --chunk 16 --repeats 2 --dtype float32)
   STEP=(--config configs/tiny.yaml --steps 2 --warmup 1 train.batch_size=2 train.seq_len=32 model.num_layers=2
-        model.mtp_num_layers=0 data.source=synthetic run.cpu_devices=1)
-  PROFILES=(none auto)
+        model.mtp_num_layers=0 data.source=synthetic run.cpu_devices=1 xla.profile=none)
+  VARIANTS=(--variant "" --variant "model.attention=xla moe.grouped_matmul=dense_loop train.loss_chunk=0")
+  LIMITS=(300 300 300)
 elif [[ $# -gt 0 ]]; then
   echo "usage: bash benchmarks/gpu_suite.sh [--cpu-smoke]" >&2
   exit 2
 else
-  PEAK=(--peak 8192 --repeats 20)
-  GROUPED=(--rows 32768 --d 2048 --f 512 --groups 64 --repeats 20)
-  STEP=(--config configs/proxy_1gpu.yaml --steps 8 --warmup 2)
-  PROFILES=(none auto)
+  GROUPED=(--shape proxy --shape 671b --valid 0.5 --peak 8192 --repeats 10 --backend ragged_dot --backend mosaic_gpu)
+  ATTENTION=(--repeats 5)
+  STEP=(--config configs/proxy_1gpu.yaml --steps 6 --warmup 2)
+  # auto = mosaic_gpu + triton + chunked loss on an H200; then one change at a time; last the
+  # program before the kernels (XLA ragged_dot, dense attention, whole logits), which may not fit.
+  VARIANTS=(--variant "" --variant "model.attention=cudnn" --variant "moe.grouped_matmul=ragged_dot"
+            --variant "moe.grouped_matmul=ragged_dot model.attention=xla train.loss_chunk=0")
+  LIMITS=(100 100 240)
 fi
 
-echo "== matmul peak and grouped matmul backends" >&2
-"$PY" benchmarks/grouped_matmul.py "${PEAK[@]}" "${GROUPED[@]}" --json "$DEST/grouped_matmul.json" >&2
-for profile in "${PROFILES[@]}"; do
-  echo "== training step, xla.profile=$profile" >&2
-  "$PY" benchmarks/step.py "${STEP[@]}" "xla.profile=$profile" --label "profile=$profile" \
-    --variant "model.remat=full" --variant "model.remat=save_matmuls" --json "$DEST/step_$profile.json" >&2
-done
+status=()
+run_part() {  # name, limit, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit} s)" >&2
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >&2
+  local rc=$?
+  if [[ $rc -ne 0 ]]; then
+    status+=("$name: exit $rc$([[ $rc -eq 124 ]] && echo ' (timed out)')")
+  fi
+}
 
-"$PY" - "$DEST" "${PROFILES[@]}" <<'PYEOF'
+run_part "grouped matmul" "${LIMITS[0]}" "$PY" benchmarks/grouped_matmul.py "${GROUPED[@]}" --json "$DEST/grouped_matmul.json"
+run_part "attention" "${LIMITS[1]}" "$PY" benchmarks/attention.py "${ATTENTION[@]}" --json "$DEST/attention.json"
+run_part "training step" "${LIMITS[2]}" "$PY" benchmarks/step.py "${STEP[@]}" --label proxy "${VARIANTS[@]}" \
+  --json "$DEST/step.json"
+
+printf '%s\n' "${status[@]:-}" > "$DEST/failed_parts.txt"
+"$PY" - "$DEST" <<'PYEOF'
 import json, sys
 from pathlib import Path
-dest, profiles = Path(sys.argv[1]), sys.argv[2:]
-grouped = json.loads((dest / "grouped_matmul.json").read_text())
-steps = [json.loads((dest / f"step_{p}.json").read_text()) for p in profiles]
+
+dest = Path(sys.argv[1])
+def load(name):
+    path = dest / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+def num(v, fmt):
+    return format(v, fmt) if v is not None else "-"
+
+grouped, attention, step = load("grouped_matmul"), load("attention"), load("step")
+failed = [line for line in (dest / "failed_parts.txt").read_text().splitlines() if line]
 rows = []
-peak = grouped["peak"]
-rows.append(("matmul peak", f"{grouped['dtype']} {peak['name']}", f"{peak['tflops']:.2f} TFLOP/s", ""))
-for b in grouped["backends"]:
-    value = f"{b['tflops']:.2f} TFLOP/s" if b["tflops"] is not None else "-"
-    extra = f"{b['vs_dense']:.2f} x dense" if b.get("vs_dense") else b["status"]
-    rows.append(("grouped matmul", b["name"], value, extra))
-for s in steps:
-    for r in s["runs"]:
+if grouped:
+    if grouped["peak"]:
+        rows.append(("matmul peak", grouped["peak"]["name"], f"{grouped['peak']['tflops']:.1f} TFLOP/s", ""))
+    for r in grouped["rows"]:
+        for part in ("fwd", "fwd_bwd"):
+            p = r[part]
+            detail = p["status"] if p["status"] != "ok" else (
+                f"{num(p['vs_dense'], '.2f')} x dense, executed/useful FLOPs {num(p['flops_ratio'], '.2f')}")
+            value = f"{p['tflops']:.1f} TFLOP/s" if p["tflops"] is not None else "-"
+            rows.append((f"grouped {r['shape']} {part}", r["backend"], value, detail))
+if attention:
+    for r in attention["rows"]:
+        detail = f"{num(r['ms'], '.2f')} ms, temp {num(r['temp_gb'], '.2f')} GB" if r["status"] == "ok" else r["status"]
+        value = f"{r['tflops']:.1f} TFLOP/s" if r["tflops"] is not None else "-"
+        rows.append((f"attention {r['case']}", r["impl"], value, detail))
+if step:
+    for r in step["runs"]:
+        if "error" in r:
+            rows.append(("step", r["variant"], "-", f"failed: {r['error']}"))
+            continue
         mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
-        rows.append((f"step {r['label']}", r["variant"], f"{r['tokens_per_s']:.0f} tok/s",
-                     f"{r['tflops_per_device']:.2f} TFLOP/s/dev, {mfu}"))
-suite = {"device_kind": grouped["device_kind"], "jax": grouped["jax"], "grouped_matmul": grouped, "steps": steps,
+        rows.append(("step", r["variant"], f"{r['tokens_per_s']:.0f} tok/s",
+                     f"{r['kernels']}, {r['tflops_per_device']:.1f} TFLOP/s/dev, {mfu}"))
+for line in failed:
+    rows.append(("part failed", line, "-", ""))
+first = grouped or attention or step or {}
+suite = {"device_kind": first.get("device_kind"), "jax": first.get("jax"), "grouped_matmul": grouped,
+         "attention": attention, "step": step, "failed_parts": failed,
          "table": [dict(zip(("part", "case", "value", "detail"), r)) for r in rows]}
 (dest / "suite.json").write_text(json.dumps(suite, indent=1))
-print(f"gpu_suite: {grouped['device_kind']}, jax {grouped['jax']}; JSON in {dest}/suite.json")
-width = [max(len(r[i]) for r in rows) for i in range(4)]
+print(f"gpu_suite: {suite['device_kind']}, jax {suite['jax']}; JSON in {dest}/suite.json")
+width = [max(len(r[i]) for r in rows + [("part", "case", "value", "detail")]) for i in range(4)]
 for r in [("part", "case", "value", "detail")] + rows:
     print("  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip())
 PYEOF

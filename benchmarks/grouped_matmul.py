@@ -1,16 +1,20 @@
-"""Grouped matmul (the routed experts' GEMM) backends against one dense matmul of the same FLOPs.
+"""Grouped-matmul backends (the routed experts' GEMM), forward and forward+backward, against a dense matmul.
 
-    PYTHONPATH=. python benchmarks/grouped_matmul.py [--rows 32768 --d 2048 --f 512 --groups 64] [--peak 8192]
-                                                   [--dtype bfloat16] [--repeats 20] [--json OUT]
+    PYTHONPATH=. python benchmarks/grouped_matmul.py [--shape proxy --shape 671b] [--valid 0.5]
+        [--backend ragged_dot --backend mosaic_gpu ...] [--peak 8192] [--repeats 10] [--json OUT]
 
-Rows M (token copies sorted by expert) x [G, D, F] weights, balanced groups (M/G rows each).
-Backends, each reported as measured or with the reason it did not run:
-  dense            one [M, D] x [D, F] matmul: same 2 M D F FLOPs, the ceiling to compare with
-  ragged_dot       jax.lax.ragged_dot (what maxmoe.parallel.grouped_matmul uses)
-  pallas_mgpu      jax.experimental.pallas.ops.gpu.ragged_dot_mgpu (Mosaic GPU kernel; Hopper)
-  te_grouped_gemm  transformer_engine.jax grouped GEMM, when transformer-engine is installed
---peak N also times one bf16 N x N x N matmul: the device's practical matmul peak.
-Defaults are the proxy_1gpu expert GEMM (32768 tokens x top-8 / 8 ... sized to one device).
+Shapes (rows M x [G, D, F] weights, the first `--valid` fraction of the rows in balanced groups,
+the rest padding, as in a dispatch receive buffer):
+  proxy   M=262,144 (proxy_1gpu: 8 x 4096 tokens x top-8), G=64, D=2048, F=512
+  671b    M=65,536 (one GPU of the 671B plan: buffer 2 x 4096 x 8), G=4, D=7168, F=2048
+  small   M=256, G=8, D=64, F=64 (the CPU smoke test)
+  custom  --rows --groups --d --f
+Per backend and shape: ms, TFLOP/s on the useful FLOPs (2 x valid rows x D x F forward, 3x that
+forward+backward), and executed/useful FLOPs from XLA's `compiled.cost_analysis()` (custom
+calls such as Pallas kernels are not counted by XLA: shown as "-"). `dense` is one
+[valid rows, D] x [D, F] matmul of the same useful FLOPs: the ceiling. Backends are the
+ones of `maxmoe.parallel.grouped_matmul` (through maxmoe's own interface); one that cannot
+run here is listed with the reason. --peak N also times one bf16 N^3 matmul.
 """
 
 import argparse
@@ -21,13 +25,19 @@ import sys
 import time
 from pathlib import Path
 
+SHAPES = {
+    "proxy": dict(rows=262144, groups=64, d=2048, f=512),
+    "671b": dict(rows=65536, groups=4, d=7168, f=2048),
+    "small": dict(rows=256, groups=8, d=64, f=64),
+}
+BACKENDS = ("dense", "ragged_dot", "mosaic_gpu", "dense_loop")
+
 
 def timed(fn, args, repeats):
-    """Mean seconds per call after one warm-up (compile) call."""
+    """Mean seconds per call after one warm-up call."""
     import jax
 
-    out = fn(*args)
-    jax.block_until_ready(out)
+    jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     for _ in range(repeats):
         out = fn(*args)
@@ -48,128 +58,151 @@ def matmul_peak(n, dtype, repeats):
     return {"name": f"dense {n}^3", "ms": seconds * 1e3, "tflops": 2 * n**3 / seconds / 1e12, "status": "ok"}
 
 
-def _pallas_mgpu(x, w, sizes):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot(
-        x, w, group_sizes=sizes, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
-    )
-
-
-def _te_grouped(x, w, sizes):
-    import transformer_engine.jax as te  # noqa: F401 - presence check; API differs between releases
-    from transformer_engine.jax import cpp_extensions
-
-    grouped = getattr(cpp_extensions, "grouped_gemm", None)
-    if grouped is None:
-        raise RuntimeError("this transformer_engine has no grouped_gemm")
-    return grouped(x, w, sizes)
-
-
-def grouped_backends(rows, d, f, groups, dtype, repeats):
-    """Rows of the table for each backend (same FLOPs: 2 rows d f)."""
+def _functions(backend, dtype):
+    """(forward, forward+backward) of one backend: fn(x, w, sizes, cotangent)."""
     import jax
     import jax.numpy as jnp
 
-    flops = 2 * rows * d * f
-    x = jax.random.normal(jax.random.key(0), (rows, d), dtype)
-    w = jax.random.normal(jax.random.key(1), (groups, d, f), dtype) / d**0.5
-    w_dense = w[0]
-    sizes = jnp.full((groups,), rows // groups, jnp.int32).at[-1].add(rows - groups * (rows // groups))
+    from maxmoe.parallel.grouped_matmul import grouped_matmul
+
+    if backend == "dense":
+
+        def forward(x, w, sizes, ct):
+            del sizes, ct
+            return jnp.dot(x, w[0], preferred_element_type=jnp.float32).astype(dtype)
+    else:
+
+        def forward(x, w, sizes, ct):
+            del ct
+            return grouped_matmul(x, w, sizes, backend=backend)
+
+    def loss(x, w, sizes, ct):
+        return jnp.sum(forward(x, w, sizes, ct).astype(jnp.float32) * ct)
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _unavailable(backend, platform, dtype_name):
+    if backend == "mosaic_gpu":
+        from maxmoe.parallel.kernel_choice import resolve_grouped_matmul, target
+
+        choice = resolve_grouped_matmul("auto", *target(), dtype_name)
+        if choice.name != "mosaic_gpu":
+            return f"not available: {choice.reason}"
+    if backend == "dense_loop" and platform != "cpu":
+        return "skipped: the G x FLOPs oracle"
+    return ""
+
+
+def run_shape(name, shape, valid, backends, dtype_name, repeats):
+    """Rows of the table for one shape."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = getattr(jnp, dtype_name)
+    m, g, d, f = shape["rows"], shape["groups"], shape["d"], shape["f"]
+    valid_rows = max(g, int(m * valid) // g * g)
+    sizes = jnp.full((g,), valid_rows // g, jnp.int32)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (m, d), dtype)
+    w = (jax.random.normal(keys[1], (g, d, f), jnp.float32) / d**0.5).astype(dtype)
+    ct = jax.random.normal(keys[2], (m, f), jnp.float32)
+    useful = 2 * valid_rows * d * f
     platform = jax.devices()[0].platform
-    candidates = [
-        (
-            "dense",
-            lambda: jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)),
-            (x, w_dense),
-        ),
-        (
-            "ragged_dot",
-            lambda: jax.jit(
-                lambda a, b, s: jax.lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32).astype(dtype)
-            ),
-            (x, w, sizes),
-        ),
-        ("pallas_mgpu", lambda: jax.jit(_pallas_mgpu), (x, w, sizes)),
-        ("te_grouped_gemm", lambda: jax.jit(_te_grouped), (x, w, sizes)),
-    ]
-    results = []
-    for name, make, args in candidates:
-        status = "ok"
-        if name == "pallas_mgpu":
-            try:
-                from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: F401
-            except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-                status = f"not available ({type(e).__name__})"
-            else:
-                if platform != "gpu":
-                    status = f"not available (Mosaic GPU kernel; needs an NVIDIA Hopper GPU, not {platform})"
-        if name == "te_grouped_gemm":
-            try:
-                import transformer_engine.jax  # noqa: F401
-            except Exception:  # noqa: BLE001
-                status = "not installed (transformer_engine.jax)"
-        if status != "ok":
-            results.append({"name": name, "ms": None, "tflops": None, "status": status})
-            continue
-        try:
-            seconds = timed(make(), args, repeats)
-            results.append({"name": name, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "status": "ok"})
-        except Exception as e:  # noqa: BLE001 - report the failure in the table
-            results.append(
-                {
-                    "name": name,
-                    "ms": None,
-                    "tflops": None,
-                    "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}",
-                }
-            )
-    dense = results[0]["tflops"]
-    for r in results:
-        r["vs_dense"] = r["tflops"] / dense if r["tflops"] and dense else None
-    return results
+    rows = []
+    for backend in backends:
+        row = {"shape": name, "backend": backend, "useful_gflop": useful / 1e9, "valid_rows": valid_rows, "rows": m}
+        status = _unavailable(backend, platform, dtype_name)
+        args = (x[:valid_rows], w, sizes, ct[:valid_rows]) if backend == "dense" else (x, w, sizes, ct)
+        for part in ("fwd", "fwd_bwd"):
+            row[part] = {"ms": None, "tflops": None, "flops_ratio": None, "status": status or "ok"}
+        if not status:
+            forward, forward_backward = _functions(backend, dtype)
+            for part, fn, factor in (("fwd", forward, 1), ("fwd_bwd", forward_backward, 3)):
+                try:
+                    compiled = fn.trace(*args).lower().compile()
+                    cost = compiled.cost_analysis()
+                    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                    executed = (cost or {}).get("flops")
+                    seconds = timed(compiled, args, repeats)
+                    row[part] = {
+                        "ms": seconds * 1e3,
+                        "tflops": factor * useful / seconds / 1e12,
+                        # Custom calls (Pallas kernels) are invisible to XLA's count.
+                        "flops_ratio": executed / (factor * useful) if executed and backend != "mosaic_gpu" else None,
+                        "status": "ok",
+                    }
+                except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
+                    message = str(e).splitlines()[0][:120] if str(e) else ""
+                    row[part]["status"] = f"failed: {type(e).__name__}: {message}"
+        rows.append(row)
+    dense = {part: rows[0][part]["tflops"] for part in ("fwd", "fwd_bwd")} if backends[0] == "dense" else {}
+    for row in rows:
+        for part in ("fwd", "fwd_bwd"):
+            tf, ref = row[part]["tflops"], dense.get(part)
+            row[part]["vs_dense"] = tf / ref if tf and ref else None
+    return rows
 
 
 def format_table(rows):
-    head = f"{'backend':<18} {'ms':>9} {'TFLOP/s':>9} {'vs dense':>8}  status"
+    def cell(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    head = (
+        f"{'shape':<6} {'backend':<11} {'fwd ms':>9} {'TFLOP/s':>8} {'x dense':>7} {'exec/use':>8} "
+        f"{'f+b ms':>9} {'TFLOP/s':>8} {'x dense':>7} {'exec/use':>8}  status"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        ms = f"{r['ms']:9.3f}" if r["ms"] is not None else f"{'-':>9}"
-        tf = f"{r['tflops']:9.2f}" if r["tflops"] is not None else f"{'-':>9}"
-        vs = f"{r['vs_dense']:8.2f}" if r.get("vs_dense") is not None else f"{'-':>8}"
-        lines.append(f"{r['name']:<18} {ms} {tf} {vs}  {r['status']}")
+        f, b = r["fwd"], r["fwd_bwd"]
+        status = f["status"] if f["status"] == b["status"] else f"{f['status']} / {b['status']}"
+        lines.append(
+            f"{r['shape']:<6} {r['backend']:<11} {cell(f['ms'], '9.3f'):>9} {cell(f['tflops'], '8.1f'):>8} "
+            f"{cell(f['vs_dense'], '7.2f'):>7} {cell(f['flops_ratio'], '8.2f'):>8} {cell(b['ms'], '9.3f'):>9} "
+            f"{cell(b['tflops'], '8.1f'):>8} {cell(b['vs_dense'], '7.2f'):>7} {cell(b['flops_ratio'], '8.2f'):>8}  "
+            f"{status}"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=32768, help="M: token copies on this device")
-    parser.add_argument("--d", type=int, default=2048, help="D: input features (hidden)")
-    parser.add_argument("--f", type=int, default=512, help="F: output features (expert MLP)")
-    parser.add_argument("--groups", type=int, default=64, help="G: local experts")
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES) + ["custom"], help="repeatable")
+    parser.add_argument("--rows", type=int, default=32768, help="custom: M")
+    parser.add_argument("--groups", type=int, default=64, help="custom: G")
+    parser.add_argument("--d", type=int, default=2048, help="custom: D")
+    parser.add_argument("--f", type=int, default=512, help="custom: F")
+    parser.add_argument("--valid", type=float, default=0.5, help="fraction of the rows that hold tokens")
+    parser.add_argument("--backend", action="append", choices=BACKENDS, help="repeatable; default: all")
     parser.add_argument("--peak", type=int, default=0, help="also time one N^3 matmul (0: skip)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    for name in ("rows", "d", "f", "groups", "repeats"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name} must be positive")
+    if not 0 < args.valid <= 1:
+        parser.error("--valid must be in (0, 1]")
+    if min(args.rows, args.groups, args.d, args.f, args.repeats) <= 0:
+        parser.error("sizes and --repeats must be positive")
     import jax
     import jax.numpy as jnp
 
-    dtype = getattr(jnp, args.dtype)
+    shapes = {}
+    for name in args.shape or ["proxy", "671b"]:
+        shapes[name] = SHAPES.get(name) or dict(rows=args.rows, groups=args.groups, d=args.d, f=args.f)
+    backends = args.backend or list(BACKENDS)
+    backends = ["dense"] + [b for b in backends if b != "dense"]
     command = " ".join(
         shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
     )
     device = jax.devices()[0]
-    peak = matmul_peak(args.peak, dtype, args.repeats) if args.peak else None
-    rows = grouped_backends(args.rows, args.d, args.f, args.groups, dtype, args.repeats)
+    peak = matmul_peak(args.peak, getattr(jnp, args.dtype), args.repeats) if args.peak else None
+    rows = []
+    for name, shape in shapes.items():
+        rows += run_shape(name, shape, args.valid, backends, args.dtype, args.repeats)
     print(f"$ {command}")
-    print(
-        f"jax {jax.__version__}, {device.platform} {device.device_kind}, {args.dtype}, M={args.rows} D={args.d} "
-        f"F={args.f} G={args.groups}"
-    )
+    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {args.dtype}, valid rows {args.valid:.0%}")
+    for name, s in shapes.items():
+        print(f"  {name}: M={s['rows']} G={s['groups']} D={s['d']} F={s['f']}")
     if peak:
         print(f"matmul peak: {peak['tflops']:.2f} TFLOP/s ({args.peak}^3, {peak['ms']:.3f} ms)")
     print(format_table(rows))
@@ -182,9 +215,10 @@ def main(argv=None):
                     "device_kind": device.device_kind,
                     "jax": jax.__version__,
                     "dtype": args.dtype,
+                    "valid": args.valid,
                     "peak": peak,
-                    "shape": {"rows": args.rows, "d": args.d, "f": args.f, "groups": args.groups},
-                    "backends": rows,
+                    "shapes": shapes,
+                    "rows": rows,
                 },
                 indent=1,
             )

@@ -7,7 +7,9 @@ Sets up the process as `python -m maxmoe.train` does (host devices, the config's
 profile), builds the mesh from the config, compiles the donated train step and times
 --steps steps on one synthetic batch after --warmup. Each --variant (space-separated
 key=value overrides) is timed in this same process; an XLA flag profile is fixed for the
-process, so compare profiles in separate runs (benchmarks/gpu_suite.sh does).
+process, so compare profiles in separate runs. A variant that fails (out of memory, a kernel
+that does not run here) is listed with its error; the table is ranked by tokens/s, best
+first, and names the grouped matmul and attention each variant resolved to.
 """
 
 import json
@@ -53,11 +55,19 @@ def main(argv=None):
     )
     rows = []
     for name, config in variants:
-        layout = build_layout(config)
-        result = time_shape(config, layout, args.steps, args.warmup)
-        rows.append(
-            {"label": args.label, "variant": name or "-", "profile": config.xla.profile, "mesh": layout.shape, **result}
-        )
+        row = {"label": args.label, "variant": name or "-", "profile": config.xla.profile}
+        try:
+            layout = build_layout(config)
+            row.update(
+                mesh=layout.shape,
+                kernels=f"{layout.grouped_matmul.name}+{layout.attention.name}",
+                **time_shape(config, layout, args.steps, args.warmup),
+            )
+        except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        rows.append(row)
+        write_json(args.json, command, flags, rows)
+    rows.sort(key=lambda r: -r.get("tokens_per_s", -1.0))
     device = jax.devices()[0]
     print(f"$ {command}")
     print(
@@ -65,32 +75,43 @@ def main(argv=None):
         f"XLA flags: {' '.join(flags) or '(none)'}"
     )
     head = (
-        f"{'run':<14} {'variant':<26} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} {'step s':>8} "
+        f"{'run':<14} {'variant':<44} {'kernels':<18} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} {'step s':>8} "
         f"{'compile s':>9} {'loss':>8}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
+        if "error" in r:
+            print(f"{r['label'] or '-':<14} {r['variant']:<44} {'-':<18} failed: {r['error']}")
+            continue
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
         print(
-            f"{r['label'] or '-':<14} {r['variant']:<26} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.3f} "
+            f"{r['label'] or '-':<14} {r['variant']:<44} {r['kernels']:<18} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.3f} "
             f"{mfu:>6} {r['step_s']:8.4f} {r['compile_s']:9.1f} {r['loss']:8.4f}"
         )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "command": command,
-                    "xla_flags": flags,
-                    "jax": jax.__version__,
-                    "device_kind": device.device_kind,
-                    "runs": rows,
-                },
-                indent=1,
-            )
-        )
+    write_json(args.json, command, flags, rows)
     return 0
+
+
+def write_json(path, command, flags, rows):
+    """The results so far (written after every variant, so a run cut short keeps what it measured)."""
+    if not path:
+        return
+    import jax
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(
+        json.dumps(
+            {
+                "command": command,
+                "xla_flags": flags,
+                "jax": jax.__version__,
+                "device_kind": jax.devices()[0].device_kind,
+                "runs": sorted(rows, key=lambda r: -r.get("tokens_per_s", -1.0)),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":
