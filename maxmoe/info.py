@@ -1,7 +1,12 @@
-"""`python -m maxmoe.info`: parameter counts and FLOPs of a config, without allocating parameters.
+"""`python -m maxmoe.info`: parameter counts, FLOPs and kernel choices of a config, without allocating parameters.
 
 python -m maxmoe.info --config configs/deepseek_v3_671b.yaml [key=value ...] [--json]
+python -m maxmoe.info --config configs/proxy_1gpu.yaml --platform cuda --device-kind "NVIDIA H200" --json
 python -m maxmoe.info --config configs/tiny.yaml run.cpu_devices=8 mesh.expert=8 --lower cuda
+
+The kernel choices are what `auto` (or the config) resolves to for --platform (default: this
+process's) and --device-kind (default: this device's on this platform; on another platform
+unknown, which on CUDA counts as Hopper): `grouped_matmul`, `attention` and the reasons.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["cuda"],
         help="lower one train step for this platform and count its collectives (no GPU needed)",
     )
+    parser.add_argument("--platform", help="platform the kernels are chosen for: cpu, cuda (default: this one)")
+    parser.add_argument("--device-kind", help='GPU model, e.g. "NVIDIA H200" or "NVIDIA GB300"')
     args = parser.parse_args(argv)
     config = config_from_args(args)
 
@@ -40,12 +47,29 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(count_params(config.model))
     report["flops_per_token"] = flops_per_token(config.model, config.train.seq_len)
     report["seq_len"] = config.train.seq_len
+    report.update(kernel_report(config, args.platform, args.device_kind))
     if args.json:
         print(json.dumps(report))
     else:
         for key, value in report.items():
-            print(f"{key:>16}: {value:,.0f}" if isinstance(value, (int, float)) else f"{key:>16}: {value}")
+            print(f"{key:>21}: {value:,.0f}" if isinstance(value, (int, float)) else f"{key:>21}: {value}")
     return 0
+
+
+def kernel_report(config, platform: str | None, device_kind: str | None) -> dict:
+    """The grouped matmul and attention `auto` resolves to on a platform, with the reasons."""
+    from maxmoe.parallel.kernel_choice import resolve_kernels
+
+    kernels = resolve_kernels(config, platform, device_kind)
+    return {
+        "platform": kernels.platform,
+        "device_kind": kernels.device_kind,
+        "grouped_matmul": kernels.grouped_matmul.name,
+        "grouped_matmul_reason": kernels.grouped_matmul.reason,
+        "attention": kernels.attention.name,
+        "attention_reason": kernels.attention.reason,
+        "loss_chunk": config.train.loss_chunk,
+    }
 
 
 if __name__ == "__main__":

@@ -199,29 +199,23 @@ def build_layout(
     which kernels `auto` means. `device_kind` (e.g. "NVIDIA H200") tells GPU generations
     apart; default: the running device's when `platform` is this process's, else unknown.
     """
-    from maxmoe.parallel.kernel_choice import normalise_platform, resolve_attention, resolve_grouped_matmul, target
+    from maxmoe.parallel.kernel_choice import resolve_kernels
 
     mesh = build_mesh(config, devices)
     rules = resolve_rules(config)
-    here, here_kind = target()
-    platform = normalise_platform(platform or here)
-    if device_kind is None:
-        device_kind = here_kind if platform == here else ""
-    dtype = config.model.compute_dtype
-    grouped = resolve_grouped_matmul(config.moe.grouped_matmul, platform, device_kind, dtype)
-    attention = resolve_attention(config.model.attention, platform, device_kind, dtype)
+    kernels = resolve_kernels(config, platform, device_kind)
     plan = None
     if mesh.size > 1:
         plan = make_dispatch_plan(
             mesh,
             config.moe,
-            grouped_matmul=grouped.name,
+            grouped_matmul=kernels.grouped_matmul.name,
             token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
             expert_axis="expert",
             tensor_axis="tensor",
-            platform=platform,
+            platform=kernels.platform,
             weight_specs={
                 name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in EXPERT_WEIGHT_AXES.items()
             },
         )
-    return Layout(mesh, rules, plan, platform, grouped, attention)
+    return Layout(mesh, rules, plan, kernels.platform, kernels.grouped_matmul, kernels.attention)

@@ -181,3 +181,26 @@ def test_count_params_equals_the_models_parameters(name):
     assert got["params_active"] == size(main) - inactive
     if name == "deepseek_v3_671b":
         assert (got["params_total"], got["params_active"]) == (671_026_404_352, 37_552_282_624)
+
+
+def test_info_names_the_kernels_auto_resolves_to_for_cuda():
+    """proxy_1gpu for CUDA (device kind unknown: Hopper): not XLA's ragged_dot, not the dense attention oracle."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "maxmoe.info", "--config", str(REPO / "configs" / "proxy_1gpu.yaml")]
+    result = subprocess.run(
+        argv + ["--platform", "cuda", "--json"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["platform"], report["grouped_matmul"]) == ("cuda", "mosaic_gpu")
+    assert report["attention"] in ("triton", "chunked") and report["attention_reason"]
+
+
+def test_kernel_report_tells_hopper_from_blackwell():
+    from maxmoe.info import kernel_report
+
+    config = load_config([str(REPO / "configs" / "proxy_1gpu.yaml")])
+    assert kernel_report(config, "cuda", "NVIDIA H200")["grouped_matmul"] == "mosaic_gpu"
+    blackwell = kernel_report(config, "cuda", "NVIDIA GB300")
+    assert blackwell["grouped_matmul"] == "ragged_dot" and "G x the useful FLOPs" in blackwell["grouped_matmul_reason"]
+    assert kernel_report(config, "cpu", None)["attention"] == "chunked"

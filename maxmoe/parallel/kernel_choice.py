@@ -104,3 +104,32 @@ def resolve_attention(requested: str, platform: str, device_kind: str = "", comp
         f"{label}: jax's Pallas Triton flash attention (causal blocks above the diagonal skipped; "
         f"v padded to the qk head dim)",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """What one program runs: its platform, device kind, grouped matmul and attention."""
+
+    platform: str
+    device_kind: str
+    grouped_matmul: Choice
+    attention: Choice
+
+
+def resolve_kernels(config, platform: str | None = None, device_kind: str | None = None) -> Kernels:
+    """The kernels of `config` (a maxmoe Config) for a platform (default: this process's).
+
+    `device_kind` defaults to this device's when the platform is this process's, else
+    unknown (on CUDA taken as Hopper).
+    """
+    here, here_kind = target()
+    platform = normalise_platform(platform or here)
+    if device_kind is None:
+        device_kind = here_kind if platform == here else ""
+    dtype = config.model.compute_dtype
+    return Kernels(
+        platform,
+        device_kind,
+        resolve_grouped_matmul(config.moe.grouped_matmul, platform, device_kind, dtype),
+        resolve_attention(config.model.attention, platform, device_kind, dtype),
+    )
