@@ -210,6 +210,12 @@ class XlaConfig:
 
     profile: str = _field("auto", choices=("auto", "none") + XLA_PROFILES)
     extra_flags: list = _field([], doc="more XLA flags, e.g. ['--xla_gpu_enable_command_buffer=']")
+    memory_fraction: float = _field(
+        0.95,
+        ge=0,
+        doc="XLA_PYTHON_CLIENT_MEM_FRACTION: share of GPU memory JAX may use (its own default, 0.75, "
+        "refuses plans the dry run fits); 0: JAX's default; the environment variable wins",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +431,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     if config.data.source == "shards" and not config.data.path:
         raise ConfigError("data.source=shards needs data.path (a folder made by `python -m maxmoe.data prepare`)")
+    if config.xla.memory_fraction > 1:
+        raise ConfigError(
+            f"xla.memory_fraction={config.xla.memory_fraction}: must be <= 1 (a share of the GPU's memory)"
+        )
     ps = config.run.profile_steps
     if ps and (len(ps) != 2 or not all(isinstance(s, int) and s >= 0 for s in ps) or ps[0] > ps[1]):
         raise ConfigError(f"run.profile_steps={ps!r}: expected [first, last] step numbers")

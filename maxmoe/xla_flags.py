@@ -275,13 +275,34 @@ def backends_initialised() -> bool:
     return bool(getattr(xla_bridge, "_backends", {}))  # older / newer jax without the helper
 
 
+MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def memory_fraction(config: Config, environ) -> str | None:
+    """The XLA_PYTHON_CLIENT_MEM_FRACTION this process should run with; None: JAX's default.
+
+    JAX's GPU client preallocates 75% of the device's memory by default and XLA cannot use
+    more, so a plan that fits the dry run's figure (`--hbm-gb`) would fail on the device;
+    `xla.memory_fraction` (default 0.95: the rest is the CUDA context, cuDNN and NCCL
+    workspaces) raises it. The environment variable wins, as XLA_FLAGS does.
+    """
+    if MEMORY_FRACTION_ENV in environ:
+        return environ[MEMORY_FRACTION_ENV]
+    fraction = config.xla.memory_fraction
+    return f"{fraction:g}" if fraction > 0 else None
+
+
 def apply(config: Config, device_kind: str | None = None) -> list[str]:
-    """Set os.environ["XLA_FLAGS"] from config.xla; return the effective flags (all of them).
+    """Set os.environ["XLA_FLAGS"] (and the GPU memory fraction) from config.xla; return the effective flags.
 
     Call before any jax computation. If JAX's backends are already up and the flags would
     change, raises UserError: XLA would silently ignore them, and a run that believes it
-    has a profile it does not have is worse than one that stops.
+    has a profile it does not have is worse than one that stops. The memory fraction is set
+    only before the backends start (afterwards it is the backend's, and recorded as such).
     """
+    fraction = memory_fraction(config, os.environ)
+    if fraction is not None and not backends_initialised():
+        os.environ[MEMORY_FRACTION_ENV] = fraction
     profile = resolve_profile(config.xla.profile, device_kind)
     existing = os.environ.get("XLA_FLAGS", "")
     composed = compose(existing, profile, list(config.xla.extra_flags))
@@ -297,8 +318,14 @@ def apply(config: Config, device_kind: str | None = None) -> list[str]:
 
 
 def write_effective(run_dir: str | os.PathLike, flags: list[str]) -> Path:
-    """Write `flags` one per line to run_dir/xla_flags.txt (rerun: XLA_FLAGS="$(tr '\\n' ' ' < xla_flags.txt)")."""
+    """Write `flags` one per line to run_dir/xla_flags.txt (rerun: XLA_FLAGS="$(tr '\\n' ' ' < xla_flags.txt)").
+
+    The allocator setting goes beside it, to run_dir/allocator.env (`NAME=value` lines; an
+    empty file means JAX's defaults): rerun with `env $(cat allocator.env) ...`.
+    """
     path = Path(run_dir) / "xla_flags.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f"{flag}\n" for flag in flags))
+    value = os.environ.get(MEMORY_FRACTION_ENV)
+    (path.parent / "allocator.env").write_text(f"{MEMORY_FRACTION_ENV}={value}\n" if value else "")
     return path

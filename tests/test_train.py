@@ -176,6 +176,8 @@ def test_mesh_run_matches_single_device_run(tmp_path):
     assert list((tmp_path / "mesh" / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / "mesh" / "profile").rglob("*.xplane.pb"))
     assert (tmp_path / "mesh" / "config.yaml").exists() and (tmp_path / "mesh" / "xla_flags.txt").exists()
+    # the GPU memory share the process ran with (xla.memory_fraction's default) is recorded beside the flags
+    assert (tmp_path / "mesh" / "allocator.env").read_text() == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95\n"
     one, _ = read_metrics(tmp_path / "one")
     eight, _ = read_metrics(tmp_path / "mesh")
     assert [x["step"] for x in one] == [x["step"] for x in eight] == [1, 2, 3]

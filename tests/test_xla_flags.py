@@ -163,3 +163,15 @@ def test_write_effective(tmp_path):
     path = xla_flags.write_effective(tmp_path / "run", flags)
     assert path == tmp_path / "run" / "xla_flags.txt"
     assert path.read_text().splitlines() == flags
+
+
+def test_memory_fraction_from_config_environment_wins(tmp_path, monkeypatch):
+    config = load_config([], ["xla.memory_fraction=0.9"])
+    assert xla_flags.memory_fraction(config, {}) == "0.9"
+    assert xla_flags.memory_fraction(config, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}) == ".5"
+    assert xla_flags.memory_fraction(load_config([], ["xla.memory_fraction=0"]), {}) is None
+    with pytest.raises(UserError, match="xla.memory_fraction=1.5"):
+        load_config([], ["xla.memory_fraction=1.5"])
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
+    xla_flags.write_effective(tmp_path, [])
+    assert (tmp_path / "allocator.env").read_text() == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.8\n"
