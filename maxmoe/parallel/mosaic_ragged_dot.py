@@ -124,7 +124,7 @@ def _call_with_sm_count(module, fn, *args, **kwargs):
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The three raw kernels; tests substitute reference implementations with the same contract.
+    """The two raw kernels; tests substitute reference implementations with the same contract.
 
     forward(x[M, K], w[G, K, N] or [G, N, K] when transpose_rhs, sizes) -> [M, N]: rows of a
         group are written, rows past the groups are left unspecified.
