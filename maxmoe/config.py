@@ -22,8 +22,14 @@ import yaml
 # Names other modules import rather than spell out again.
 MESH_AXES = ("data", "expert", "tensor")  # outermost (spans scale-up domains) to innermost
 DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
-GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "dense_loop")  # maxmoe.parallel.grouped_matmul
-ATTENTION_IMPLEMENTATIONS = ("xla", "chunked", "triton", "cudnn")  # model/attention_ops, parallel/attention_kernels
+GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")  # maxmoe.parallel.grouped_matmul
+ATTENTION_IMPLEMENTATIONS = (
+    "xla",
+    "chunked",
+    "triton",
+    "cudnn",
+    "tokamax",
+)  # model/attention_ops, parallel/attention_kernels
 XLA_PROFILES = ("h100", "h200", "b200", "gb200", "gb300")  # GPU systems with a flag profile (maxmoe.xla_flags)
 
 

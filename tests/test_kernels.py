@@ -141,6 +141,25 @@ def test_mosaic_operands_are_checked():
         mosaic_ragged_dot.mosaic_grouped_matmul(x.astype(jnp.bfloat16), jnp.ones((2, 64, 48), jnp.bfloat16), sizes)
 
 
+@pytest.mark.parametrize("sizes", [[100, 0, 200, 0], [0, 0, 0, 0]], ids=["padded_empty", "all_empty"])
+def test_tokamax_backend_through_its_reference_path_equals_the_dense_loop(sizes):
+    """tokamax (optional, Python >= 3.12) picks its XLA implementation on CPU; the wrapper's masking is ours."""
+    pytest.importorskip("tokamax")
+    keys = jax.random.split(jax.random.key(2), 3)
+    x, w = jax.random.normal(keys[0], (512, 16)), jax.random.normal(keys[1], (4, 16, 12)) / 4
+    target = jax.random.normal(keys[2], (512, 12))
+    sizes = jnp.array(sizes, jnp.int32)
+
+    def loss(x, w, backend):
+        return jnp.sum(grouped_matmul(x, w, sizes, backend=backend) * target)
+
+    got = grouped_matmul(x, w, sizes, backend="tokamax")
+    np.testing.assert_allclose(got, grouped_matmul(x, w, sizes, backend="dense_loop"), **TOL)
+    grads = jax.grad(loss, argnums=(0, 1))
+    for a, b in zip(grads(x, w, "tokamax"), grads(x, w, "dense_loop")):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
 # ----------------------------------------------------------------------------------
 # Which implementation `auto` means.
 
@@ -196,6 +215,13 @@ def test_triton_attention_in_interpret_mode_equals_xla():
     """MLA's shape: qk head dim 24 (16 nope + 8 rope), v head dim 16, padded inside the wrapper."""
     fn = jax.jit(lambda q, k, v, s: triton_attention(q, k, v, s, interpret=True), static_argnums=3)
     assert_attention_matches(fn, attention_problem(1, b=1, t=32, h=2, k=24, v=16))
+
+
+def test_tokamax_attention_through_its_reference_path_equals_xla():
+    pytest.importorskip("tokamax")
+    from maxmoe.parallel.attention_kernels import tokamax_attention
+
+    assert_attention_matches(tokamax_attention, attention_problem(5, b=1, t=32, h=2, k=24, v=16))
 
 
 def attention_temp_bytes(name, t, b=1, h=2, k=32, chunk=64):

@@ -7,6 +7,9 @@ Kernels (the model picks one by name through its layout; `auto` is resolved in
           runs in Pallas interpret mode (slow; the tests' oracle check).
   cudnn   `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash
           attention; needs a GPU at trace time (cannot be lowered on a CPU host).
+  tokamax tokamax.dot_product_attention (optional package: Python >= 3.12, jax >= 0.11.1):
+          its Mosaic GPU (Hopper, Blackwell), Triton or cuDNN kernels, a separate value
+          head dim allowed; on CPU its chunked XLA version.
 Both want one head dim for q, k and v, and MLA has qk 192 / v 128: v is padded with zeros
 to the qk dim and the output sliced back, which changes nothing in the result (the padded
 columns of the output are zero and take no gradient back into v).
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-KERNELS = ("triton", "cudnn")
+KERNELS = ("triton", "cudnn", "tokamax")
 # Triton pads the head dim to a power of two (192 -> 256); 64 x 64 forward tiles of 256
 # columns fit the shared memory of Hopper with two pipeline stages, 128 x 128 would not.
 TRITON_BLOCK = 64
@@ -134,9 +137,17 @@ def cudnn_attention(q_BTHK, k_BSHK, v_BSHK, scale: float, *, interpret: bool = F
     return out[..., :v_dim].astype(v_BSHK.dtype)
 
 
+def tokamax_attention(q_BTHK, k_BSHK, v_BSHK, scale: float, *, interpret: bool = False):
+    """Causal attention from tokamax (the library picks its kernel for the device)."""
+    del interpret
+    import tokamax
+
+    return tokamax.dot_product_attention(q_BTHK, k_BSHK, v_BSHK, scale=scale, is_causal=True).astype(v_BSHK.dtype)
+
+
 def kernel(name: str):
     """The kernel function for a name in KERNELS."""
-    functions = {"triton": triton_attention, "cudnn": cudnn_attention}
+    functions = {"triton": triton_attention, "cudnn": cudnn_attention, "tokamax": tokamax_attention}
     if name not in functions:
         raise ValueError(f"unknown attention kernel {name!r}; expected one of {KERNELS}")
     return functions[name]

@@ -10,6 +10,9 @@ Backends (`moe.grouped_matmul`; `auto` is resolved per platform by
   "mosaic_gpu"  jax's Pallas Mosaic GPU ragged-dot kernels (Hopper): only the valid row
                 tiles, forward and both gradients on the kernels
                 (`maxmoe.parallel.mosaic_ragged_dot`). bf16/f16; sizes multiples of 64.
+  "tokamax"     tokamax's ragged dot (`pip install tokamax`: Python >= 3.12, jax >= 0.11.1):
+                the library picks its Mosaic GPU (Hopper, Blackwell) or Triton kernel and
+                brings its own VJP; on CPU its XLA reference. Cannot be lowered without a GPU.
   "dense_loop"  a plain loop over groups that masks rows and does a full matmul per
                 group: G times the FLOPs, kept as the test oracle and for debugging.
 Pallas kernels are not partitioned by GSPMD: under a mesh they are called inside the
@@ -48,6 +51,8 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
         from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul
 
         out_MF = mosaic_grouped_matmul(x_MD, w_GDF, group_sizes_G)
+    elif backend == "tokamax":
+        out_MF = _tokamax(x_MD, w_GDF, group_sizes_G)
     elif backend == "dense_loop":
         out_MF = _dense_loop(x_MD, w_GDF, group_sizes_G)
     else:
@@ -67,6 +72,32 @@ def grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, *, bac
     gate_up_M2F = grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, backend=backend)
     hidden_MF = jax.nn.silu(gate_up_M2F[:, :f]) * gate_up_M2F[:, f:]
     return grouped_matmul(hidden_MF, w_down_GFD, group_sizes_G, backend=backend)
+
+
+def tokamax_problem() -> str:
+    """'' when tokamax imports, else why not."""
+    try:
+        import tokamax  # noqa: F401 - optional: imported where used
+    except Exception as e:  # noqa: BLE001 - any import failure means not usable here
+        return f"tokamax is not installed ({type(e).__name__}; needs Python >= 3.12 and jax >= 0.11.1)"
+    return ""
+
+
+def _tokamax(x_MD, w_GDF, group_sizes_G):
+    """tokamax.ragged_dot with the rows past the groups zeroed on the way in and out.
+
+    Its kernels may leave rows no group covers unwritten (and their dx too): zeroing the
+    input rows makes their gradient zero, zeroing the output gives the contract above.
+    """
+    problem = tokamax_problem()
+    if problem:
+        raise ValueError(f"moe.grouped_matmul=tokamax: {problem}")
+    import tokamax
+
+    valid_M1 = (jnp.arange(x_MD.shape[0]) < jnp.sum(group_sizes_G))[:, None]
+    x_MD = jnp.where(valid_M1, x_MD, jnp.zeros((), x_MD.dtype))
+    out_MF = tokamax.ragged_dot(x_MD, w_GDF, group_sizes_G.astype(jnp.int32), preferred_element_type=jnp.float32)
+    return jnp.where(valid_M1, out_MF, 0.0)
 
 
 def _dense_loop(x_MD, w_GDF, group_sizes_G):

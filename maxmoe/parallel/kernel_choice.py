@@ -8,11 +8,14 @@ on a CPU host) -- and is reported by `python -m maxmoe.info --json` and in the r
 |---|---|---|
 | cpu (and anything not below) | ragged_dot | chunked |
 | NVIDIA Hopper (H100, H200, GH200, H800, H20) | mosaic_gpu | triton |
-| NVIDIA Blackwell and older NVIDIA GPUs | ragged_dot, with a warning | triton |
+| NVIDIA Blackwell and older NVIDIA GPUs, tokamax installed | tokamax | tokamax |
+| NVIDIA Blackwell and older NVIDIA GPUs, no tokamax | ragged_dot, with a warning | triton |
 | CUDA lowered on a host without a GPU, jax >= 0.11 | as above | chunked (Triton cannot lower there) |
 
 mosaic_gpu (jax's Pallas Mosaic GPU ragged dot) is built on wgmma, which only sm_90a has;
-on other NVIDIA GPUs no maintained grouped GEMM ships with jax, so XLA's ragged_dot (its
+on Hopper it is preferred to tokamax because it lowers without a GPU (CI proves the
+program). On other NVIDIA GPUs tokamax (an optional package: Python >= 3.12) has the
+kernels; without it no maintained grouped GEMM ships with jax, so XLA's ragged_dot (its
 dense rewrite: G x the FLOPs) stays, and the reason says so. A CUDA target of unknown
 device kind counts as Hopper (the GPUs this project is measured on; pass a device kind to
 be exact). Kernels that need bf16 fall back when the model computes in float32.
@@ -70,10 +73,14 @@ def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "",
     generation = gpu_generation(device_kind)
     label = device_kind or "CUDA (device kind unknown: taken as Hopper)"
     if generation != "hopper":
+        from maxmoe.parallel.grouped_matmul import tokamax_problem
+
+        if not tokamax_problem():
+            return Choice("tokamax", f"{label}: tokamax's ragged dot (its Mosaic GPU or Triton kernel)")
         return Choice(
             "ragged_dot",
-            f"{label}: no grouped GEMM kernel for this GPU generation ships with jax; XLA's ragged_dot "
-            f"(a dense rewrite that costs G x the useful FLOPs) is used",
+            f"{label}: no grouped GEMM kernel for this GPU generation ships with jax and tokamax is not "
+            f"installed; XLA's ragged_dot (a dense rewrite that costs G x the useful FLOPs) is used",
         )
     if compute_dtype != "bfloat16":
         return Choice("ragged_dot", f"{label}: the Mosaic GPU kernels need bfloat16; model computes in {compute_dtype}")
@@ -95,6 +102,10 @@ def resolve_attention(requested: str, platform: str, device_kind: str = "", comp
         return Choice("chunked", f"{platform}: XLA flash-style attention, memory linear in sequence length")
     label = device_kind or "CUDA"
     from maxmoe.parallel.attention_kernels import triton_lowers_here
+    from maxmoe.parallel.grouped_matmul import tokamax_problem
+
+    if gpu_generation(device_kind) != "hopper" and not tokamax_problem():
+        return Choice("tokamax", f"{label}: tokamax's flash attention (separate value head dim)")
 
     problem = triton_lowers_here()
     if problem:
