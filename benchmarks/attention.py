@@ -5,7 +5,7 @@
 
 Each case is B,H,T. Implementations: xla (dense scores, the oracle), chunked (XLA, blocks
 of --chunk), triton (jax's Pallas Triton flash kernels), cudnn (cuDNN through
-jax.nn.dot_product_attention); one that cannot run here is listed with the reason. Reported:
+jax.nn.dot_product_attention), tokamax (when installed); one that cannot run here is listed with the reason. Reported:
 ms of forward+backward, TFLOP/s on the causal useful FLOPs (forward 2 x B x H x T^2/2 x
 (192 + 128); backward 2.5 x forward), and the compiled temp memory.
 """
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-IMPLEMENTATIONS = ("xla", "chunked", "triton", "cudnn")
+IMPLEMENTATIONS = ("xla", "chunked", "triton", "cudnn", "tokamax")
 QK, V = 192, 128
 
 
@@ -54,7 +54,14 @@ def run_case(case, names, dtype_name, chunk, repeats):
     rows = []
     for name in names:
         row = {"case": f"B={b} H={h} T={t}", "impl": name, "ms": None, "tflops": None, "temp_gb": None}
-        if name in ("triton", "cudnn") and platform != "gpu":
+        if name == "tokamax":
+            from maxmoe.parallel.grouped_matmul import tokamax_problem
+
+            if tokamax_problem():
+                row["status"] = f"not available: {tokamax_problem()}"
+                rows.append(row)
+                continue
+        elif name in ("triton", "cudnn") and platform != "gpu":
             row["status"] = f"not run: {name} needs an NVIDIA GPU"
             rows.append(row)
             continue

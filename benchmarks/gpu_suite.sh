@@ -34,7 +34,8 @@ elif [[ $# -gt 0 ]]; then
   echo "usage: bash benchmarks/gpu_suite.sh [--cpu-smoke]" >&2
   exit 2
 else
-  GROUPED=(--shape proxy --shape 671b --valid 0.5 --peak 8192 --repeats 10 --backend ragged_dot --backend mosaic_gpu)
+  GROUPED=(--shape proxy --shape 671b --valid 0.5 --peak 8192 --repeats 10 --backend ragged_dot --backend mosaic_gpu
+           --backend tokamax)
   ATTENTION=(--repeats 5)
   STEP=(--config configs/proxy_1gpu.yaml --steps 6 --warmup 2)
   # auto = mosaic_gpu + triton + chunked loss on an H200; then one change at a time; last the

@@ -30,7 +30,7 @@ SHAPES = {
     "671b": dict(rows=65536, groups=4, d=7168, f=2048),
     "small": dict(rows=256, groups=8, d=64, f=64),
 }
-BACKENDS = ("dense", "ragged_dot", "mosaic_gpu", "dense_loop")
+BACKENDS = ("dense", "ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")
 
 
 def timed(fn, args, repeats):
@@ -89,6 +89,11 @@ def _unavailable(backend, platform, dtype_name):
         choice = resolve_grouped_matmul("auto", *target(), dtype_name)
         if choice.name != "mosaic_gpu":
             return f"not available: {choice.reason}"
+    if backend == "tokamax":
+        from maxmoe.parallel.grouped_matmul import tokamax_problem
+
+        if tokamax_problem():
+            return f"not available: {tokamax_problem()}"
     if backend == "dense_loop" and platform != "cpu":
         return "skipped: the G x FLOPs oracle"
     return ""
