@@ -168,7 +168,9 @@ class TrainConfig:
     weight_decay: float = _field(0.1, ge=0)
     clip_norm: float = _field(1.0, ge=0, doc="0: no clipping")
     loss_chunk: int = _field(
-        512, ge=0, doc="cross-entropy over blocks of this many positions, logits never whole; 0: whole [B, T, V]"
+        16384,
+        ge=0,
+        doc="cross-entropy over blocks of this many vocabulary columns, logits never whole; 0: whole [B, T, V]",
     )
     log_every: int = _field(10, gt=0)
     eval_every: int = _field(100, gt=0)

@@ -1,18 +1,22 @@
-"""Next-token cross-entropy: from whole logits, or fused with the head projection in chunks.
+"""Next-token cross-entropy: from whole logits, or fused with the head projection in vocabulary blocks.
 
 The head's float32 logits are the largest activation of a step ([B, T, V]: 17 GB for the
-main head and MTP of proxy_1gpu). `head_cross_entropy` never builds them: it cuts the
-sequence into blocks of `chunk` positions and, for each, projects to the vocabulary,
-takes the log-sum-exp and the target's logit, and keeps only the per-token loss. Each
-block is rematerialised in the backward pass (jax.checkpoint inside the scan), so at most
-one block's logits (and their gradient) exist at a time; the head's gradient is summed
-over blocks. Same loss and gradients as projecting first, up to float32 summation order.
+main head and MTP of proxy_1gpu). `head_cross_entropy` never builds them: it walks the
+vocabulary in blocks of `chunk` columns, projecting the hidden states onto one block of
+the head at a time, and keeps a running log-sum-exp and the target's logit per token
+([B, T] each). Its own VJP walks the blocks again: each block's softmax gradient comes
+from its recomputed logits and the saved log-sum-exp, giving that block's slice of the
+head's gradient and a contribution to the hidden states' gradient. At most one block's
+logits exist at a time, and, unlike blocks of positions, the head is read (gathered under
+FSDP) once per pass and its gradient reduced once: each block touches its own columns.
+Same loss and gradients as projecting first, up to float32 summation order.
 
-Axis legend: B batch, T time, D embed, V vocab, C positions per chunk.
+Axis legend: B batch, T time, D embed, V vocab, C columns per block, n blocks.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -30,8 +34,11 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
     return (nll * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1.0)
 
 
-def _chunk(t: int, preferred: int) -> int:
-    return next(c for c in range(min(t, preferred), 0, -1) if t % c == 0)
+def vocab_block(v: int, preferred: int) -> int:
+    """The largest divisor of v that is <= preferred (0: all of v)."""
+    if preferred <= 0:
+        return v
+    return next(c for c in range(min(v, preferred), 0, -1) if v % c == 0)
 
 
 def head_cross_entropy(
@@ -40,7 +47,7 @@ def head_cross_entropy(
     targets_BT: jax.Array,
     mask_BT: jax.Array | None = None,
     *,
-    chunk: int = 512,
+    chunk: int = 16384,
     dtype: Any = jnp.bfloat16,
     constrain=None,
 ) -> jax.Array:
@@ -50,35 +57,89 @@ def head_cross_entropy(
         h_BTD: final-normed hidden states.
         w_head_DV: the head (cast to `dtype`, as the model's head does).
         targets_BT, mask_BT: as for `cross_entropy`.
-        chunk: positions per block (the largest divisor of T up to this); 0 = one block.
-        dtype: the matmul's compute dtype; logits accumulate in float32.
+        chunk: vocabulary columns per block (the largest divisor of V up to this); 0 = one block.
+        dtype: the matmuls' compute dtype; logits and their statistics are float32.
         constrain: fn(x, logical_axes) placing each block's logits on the mesh (the layout's).
 
     Returns:
         The float32 mean cross-entropy over mask == 1 positions.
     """
-    b, t, d = h_BTD.shape
-    c = _chunk(t, chunk) if chunk > 0 else t
-    n = t // c
-    mask_BT = jnp.ones((b, t), jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
-    w = w_head_DV.astype(dtype)
-
-    @jax.checkpoint
-    def block_nll(h_BCD, targets_BC, mask_BC):
-        logits = jnp.einsum("bcd,dv->bcv", h_BCD.astype(dtype), w, preferred_element_type=jnp.float32)
-        if constrain is not None:
-            logits = constrain(logits, ("batch", "seq", "vocab"))
-        logz = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, targets_BC[..., None], axis=-1)[..., 0]
-        return ((logz - picked) * mask_BC).sum()
-
-    def body(total, block):
-        return total + block_nll(*block), None
-
-    blocks = (
-        h_BTD.reshape(b, n, c, d).swapaxes(0, 1),
-        targets_BT.reshape(b, n, c).swapaxes(0, 1),
-        mask_BT.reshape(b, n, c).swapaxes(0, 1),
-    )
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), blocks)
+    mask_BT = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
+    c = vocab_block(w_head_DV.shape[1], chunk)
+    total = _nll_sum(h_BTD, w_head_DV, targets_BT, mask_BT, c, dtype, constrain)
     return total / jnp.maximum(mask_BT.sum(), 1.0)
+
+
+def _blocks(w_DV, c):
+    """[D, V] -> [n, D, C]: block j holds columns [j C, (j + 1) C)."""
+    d, v = w_DV.shape
+    return w_DV.reshape(d, v // c, c).transpose(1, 0, 2)
+
+
+def _block_logits(h_BTD, w_DC, dtype, constrain):
+    logits = jnp.einsum("btd,dc->btc", h_BTD.astype(dtype), w_DC.astype(dtype), preferred_element_type=jnp.float32)
+    return logits if constrain is None else constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _target_in_block(targets_BT, j, c):
+    local = targets_BT - j * c
+    return local, (local >= 0) & (local < c)
+
+
+def _forward(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain):
+    """Sum of masked token losses and the float32 log-sum-exp [B, T]."""
+
+    def block(carry, inputs):
+        row_max, row_sum, picked = carry
+        w_DC, j = inputs
+        logits = _block_logits(h_BTD, w_DC, dtype, constrain)
+        new_max = jnp.maximum(row_max, logits.max(-1))
+        row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(-1)
+        local, inside = _target_in_block(targets_BT, j, c)
+        logit = jnp.take_along_axis(logits, jnp.clip(local, 0, c - 1)[..., None], axis=-1)[..., 0]
+        return (new_max, row_sum, picked + jnp.where(inside, logit, 0.0)), None
+
+    shape = targets_BT.shape
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    w_n = _blocks(w_DV, c)
+    (row_max, row_sum, picked), _ = jax.lax.scan(block, init, (w_n, jnp.arange(w_n.shape[0])))
+    lse = row_max + jnp.log(row_sum)
+    return jnp.sum((lse - picked) * mask_BT), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _nll_sum(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain):
+    return _forward(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain)[0]
+
+
+def _nll_sum_fwd(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain):
+    total, lse = _forward(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain)
+    return total, (h_BTD, w_DV, targets_BT, mask_BT, lse)
+
+
+def _nll_sum_bwd(c, dtype, constrain, residuals, g):
+    """d(sum of losses): per block, (softmax - one-hot) x mask x g -> the block's dw columns, and dh."""
+    h_BTD, w_DV, targets_BT, mask_BT, lse = residuals
+    scale_BT = mask_BT * g
+
+    def block(dh_BTD, inputs):
+        w_DC, j = inputs
+        logits = _block_logits(h_BTD, w_DC, dtype, constrain)
+        local, inside = _target_in_block(targets_BT, j, c)
+        one_hot = (jnp.arange(c) == local[..., None]) & inside[..., None]
+        d_logits = (jnp.exp(logits - lse[..., None]) - one_hot) * scale_BT[..., None]
+        dw_DC = jnp.einsum(
+            "btd,btc->dc", h_BTD.astype(dtype), d_logits.astype(dtype), preferred_element_type=jnp.float32
+        )
+        dh_BTD = dh_BTD + jnp.einsum(
+            "btc,dc->btd", d_logits.astype(dtype), w_DC.astype(dtype), preferred_element_type=jnp.float32
+        )
+        return dh_BTD, dw_DC
+
+    w_n = _blocks(w_DV, c)
+    dh, dw_n = jax.lax.scan(block, jnp.zeros(h_BTD.shape, jnp.float32), (w_n, jnp.arange(w_n.shape[0])))
+    dw_DV = dw_n.transpose(1, 0, 2).reshape(w_DV.shape)
+    return dh.astype(h_BTD.dtype), dw_DV.astype(w_DV.dtype), None, jnp.zeros_like(mask_BT)
+
+
+_nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)

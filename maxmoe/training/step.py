@@ -4,7 +4,7 @@
 
 `batch` is int32 [B, T + 1]: inputs are tokens[:, :-1], targets tokens[:, 1:].
 Loss = next-token cross-entropy (fp32 log-softmax; with train.loss_chunk > 0 fused with the
-       head in blocks of positions, never holding the whole [B, T, V] logits: training/loss.py)
+       head in blocks of vocabulary columns, never holding the whole [B, T, V] logits: training/loss.py)
      + mtp_loss_weight * mean over MTP depths of their cross-entropy
      + seq_aux_alpha * (sum over MoE layers of the sequence-wise balance loss).
 Router biases are not optimizer parameters: after each step every MoE layer's bias moves
