@@ -113,6 +113,8 @@ def train(config: Config) -> int:
                 f"maxmoe: {devices} {jax.devices()[0].platform} device(s), mesh {shape}, "
                 f"{train_data.description}, steps {start}->{t.steps}"
             )
+            for part, choice in (("grouped matmul", layout.grouped_matmul), ("attention", layout.attention)):
+                logger.message(f"maxmoe: {part}: {choice.name} ({choice.reason})")
         profile = config.run.profile_steps
         last_time, last_step, pending = time.perf_counter(), start, None
         step = start
