@@ -20,7 +20,7 @@ from maxmoe.parallel import mosaic_ragged_dot
 from maxmoe.parallel.attention_kernels import triton_attention
 from maxmoe.parallel.grouped_matmul import grouped_matmul
 from maxmoe.parallel.kernel_choice import gpu_generation, resolve_attention, resolve_grouped_matmul
-from maxmoe.training.loss import cross_entropy, head_cross_entropy
+from maxmoe.training.loss import cross_entropy, head_cross_entropies, head_cross_entropy
 
 # float32 throughout; the implementations sum the same products in other orders.
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -268,6 +268,18 @@ def test_head_cross_entropy_equals_plain_loss_and_gradients():
             jax.grad(chunked, argnums=(0, 1))(h, w), jax.grad(lambda h, w, m=m: plain(h, w, m), argnums=(0, 1))(h, w)
         ):
             np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_stacked_losses_equal_separate_ones():
+    """Main head and MTP depths through the head in one pass: each equals its own plain loss."""
+    keys = jax.random.split(jax.random.key(6), 3)
+    h = jax.random.normal(keys[0], (2, 3, 10, 8))
+    w = jax.random.normal(keys[1], (8, 40)) / math.sqrt(8)
+    targets = jax.random.randint(keys[2], (2, 3, 10), 0, 40)
+    mask = jnp.stack([jnp.ones((3, 10)), jnp.broadcast_to(jnp.arange(10) < 9, (3, 10)).astype(jnp.float32)])
+    got = head_cross_entropies(h, w, targets, mask, chunk=16, dtype=jnp.float32)  # blocks of 10 columns
+    want = [cross_entropy(jnp.einsum("btd,dv->btv", h[s], w), targets[s], mask[s]) for s in range(2)]
+    np.testing.assert_allclose(got, jnp.stack(want), **TOL)
 
 
 def test_chunked_loss_temp_memory_at_the_proxy_shape_is_a_quarter_of_the_plain_loss():

@@ -11,7 +11,8 @@ logits exist at a time, and, unlike blocks of positions, the head is read (gathe
 FSDP) once per pass and its gradient reduced once: each block touches its own columns.
 Same loss and gradients as projecting first, up to float32 summation order.
 
-Axis legend: B batch, T time, D embed, V vocab, C columns per block, n blocks.
+Axis legend: S stacks of hidden states (main head, MTP depths), B batch, T time, D embed, V vocab,
+C columns per block, n blocks.
 """
 
 from __future__ import annotations
@@ -64,10 +65,31 @@ def head_cross_entropy(
     Returns:
         The float32 mean cross-entropy over mask == 1 positions.
     """
-    mask_BT = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
+    mask_BT = jnp.ones(targets_BT.shape, jnp.float32) if mask_BT is None else mask_BT
+    return head_cross_entropies(
+        h_BTD[None], w_head_DV, targets_BT[None], mask_BT[None], chunk=chunk, dtype=dtype, constrain=constrain
+    )[0]
+
+
+def head_cross_entropies(
+    h_SBTD: jax.Array,
+    w_head_DV: jax.Array,
+    targets_SBT: jax.Array,
+    mask_SBT: jax.Array,
+    *,
+    chunk: int = 16384,
+    dtype: Any = jnp.bfloat16,
+    constrain=None,
+) -> jax.Array:
+    """S losses through one head in one pass: [S] mean cross-entropies (the main head and MTP depths).
+
+    One pass over the vocabulary serves all S stacks of hidden states, so the head is read
+    once, not S times (under FSDP: one all-gather per pass instead of S).
+    """
+    mask_SBT = mask_SBT.astype(jnp.float32)
     c = vocab_block(w_head_DV.shape[1], chunk)
-    total = _nll_sum(h_BTD, w_head_DV, targets_BT, mask_BT, c, dtype, constrain)
-    return total / jnp.maximum(mask_BT.sum(), 1.0)
+    nll_SBT = _nll(h_SBTD, w_head_DV, targets_SBT, mask_SBT, c, dtype, constrain)
+    return nll_SBT.sum((1, 2)) / jnp.maximum(mask_SBT.sum((1, 2)), 1.0)
 
 
 def _blocks(w_DV, c):
@@ -76,70 +98,70 @@ def _blocks(w_DV, c):
     return w_DV.reshape(d, v // c, c).transpose(1, 0, 2)
 
 
-def _block_logits(h_BTD, w_DC, dtype, constrain):
-    logits = jnp.einsum("btd,dc->btc", h_BTD.astype(dtype), w_DC.astype(dtype), preferred_element_type=jnp.float32)
-    return logits if constrain is None else constrain(logits, ("batch", "seq", "vocab"))
+def _block_logits(h_SBTD, w_DC, dtype, constrain):
+    logits = jnp.einsum("sbtd,dc->sbtc", h_SBTD.astype(dtype), w_DC.astype(dtype), preferred_element_type=jnp.float32)
+    return logits if constrain is None else constrain(logits, (None, "batch", "seq", "vocab"))
 
 
-def _target_in_block(targets_BT, j, c):
-    local = targets_BT - j * c
+def _target_in_block(targets_SBT, j, c):
+    local = targets_SBT - j * c
     return local, (local >= 0) & (local < c)
 
 
-def _forward(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain):
-    """Sum of masked token losses and the float32 log-sum-exp [B, T]."""
+def _forward(h_SBTD, w_DV, targets_SBT, mask_SBT, c, dtype, constrain):
+    """Masked token losses and the float32 log-sum-exp, both [S, B, T]."""
 
     def block(carry, inputs):
         row_max, row_sum, picked = carry
         w_DC, j = inputs
-        logits = _block_logits(h_BTD, w_DC, dtype, constrain)
+        logits = _block_logits(h_SBTD, w_DC, dtype, constrain)
         new_max = jnp.maximum(row_max, logits.max(-1))
         row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(-1)
-        local, inside = _target_in_block(targets_BT, j, c)
+        local, inside = _target_in_block(targets_SBT, j, c)
         logit = jnp.take_along_axis(logits, jnp.clip(local, 0, c - 1)[..., None], axis=-1)[..., 0]
         return (new_max, row_sum, picked + jnp.where(inside, logit, 0.0)), None
 
-    shape = targets_BT.shape
+    shape = targets_SBT.shape
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
     w_n = _blocks(w_DV, c)
     (row_max, row_sum, picked), _ = jax.lax.scan(block, init, (w_n, jnp.arange(w_n.shape[0])))
     lse = row_max + jnp.log(row_sum)
-    return jnp.sum((lse - picked) * mask_BT), lse
+    return (lse - picked) * mask_SBT, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _nll_sum(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain):
-    return _forward(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain)[0]
+def _nll(h_SBTD, w_DV, targets_SBT, mask_SBT, c, dtype, constrain):
+    return _forward(h_SBTD, w_DV, targets_SBT, mask_SBT, c, dtype, constrain)[0]
 
 
-def _nll_sum_fwd(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain):
-    total, lse = _forward(h_BTD, w_DV, targets_BT, mask_BT, c, dtype, constrain)
-    return total, (h_BTD, w_DV, targets_BT, mask_BT, lse)
+def _nll_fwd(h_SBTD, w_DV, targets_SBT, mask_SBT, c, dtype, constrain):
+    nll, lse = _forward(h_SBTD, w_DV, targets_SBT, mask_SBT, c, dtype, constrain)
+    return nll, (h_SBTD, w_DV, targets_SBT, mask_SBT, lse)
 
 
-def _nll_sum_bwd(c, dtype, constrain, residuals, g):
-    """d(sum of losses): per block, (softmax - one-hot) x mask x g -> the block's dw columns, and dh."""
-    h_BTD, w_DV, targets_BT, mask_BT, lse = residuals
-    scale_BT = mask_BT * g
+def _nll_bwd(c, dtype, constrain, residuals, g_SBT):
+    """Per block, (softmax - one-hot) x mask x g -> the block's dw columns, and dh."""
+    h_SBTD, w_DV, targets_SBT, mask_SBT, lse = residuals
+    scale_SBT = mask_SBT * g_SBT
 
-    def block(dh_BTD, inputs):
+    def block(dh_SBTD, inputs):
         w_DC, j = inputs
-        logits = _block_logits(h_BTD, w_DC, dtype, constrain)
-        local, inside = _target_in_block(targets_BT, j, c)
+        logits = _block_logits(h_SBTD, w_DC, dtype, constrain)
+        local, inside = _target_in_block(targets_SBT, j, c)
         one_hot = (jnp.arange(c) == local[..., None]) & inside[..., None]
-        d_logits = (jnp.exp(logits - lse[..., None]) - one_hot) * scale_BT[..., None]
+        d_logits = (jnp.exp(logits - lse[..., None]) - one_hot) * scale_SBT[..., None]
         dw_DC = jnp.einsum(
-            "btd,btc->dc", h_BTD.astype(dtype), d_logits.astype(dtype), preferred_element_type=jnp.float32
+            "sbtd,sbtc->dc", h_SBTD.astype(dtype), d_logits.astype(dtype), preferred_element_type=jnp.float32
         )
-        dh_BTD = dh_BTD + jnp.einsum(
-            "btc,dc->btd", d_logits.astype(dtype), w_DC.astype(dtype), preferred_element_type=jnp.float32
+        dh_SBTD = dh_SBTD + jnp.einsum(
+            "sbtc,dc->sbtd", d_logits.astype(dtype), w_DC.astype(dtype), preferred_element_type=jnp.float32
         )
-        return dh_BTD, dw_DC
+        return dh_SBTD, dw_DC
 
     w_n = _blocks(w_DV, c)
-    dh, dw_n = jax.lax.scan(block, jnp.zeros(h_BTD.shape, jnp.float32), (w_n, jnp.arange(w_n.shape[0])))
+    dh, dw_n = jax.lax.scan(block, jnp.zeros(h_SBTD.shape, jnp.float32), (w_n, jnp.arange(w_n.shape[0])))
     dw_DV = dw_n.transpose(1, 0, 2).reshape(w_DV.shape)
-    return dh.astype(h_BTD.dtype), dw_DV.astype(w_DV.dtype), None, jnp.zeros_like(mask_BT)
+    return dh.astype(h_SBTD.dtype), dw_DV.astype(w_DV.dtype), None, jnp.zeros_like(mask_SBT)
 
 
-_nll_sum.defvjp(_nll_sum_fwd, _nll_sum_bwd)
+_nll.defvjp(_nll_fwd, _nll_bwd)

@@ -26,7 +26,7 @@ from flax import traverse_util
 
 from maxmoe.config import Config
 from maxmoe.model.transformer import COMPUTE_DTYPES, abstract_variables, build_model, init_variables, shift_left
-from maxmoe.training.loss import cross_entropy, head_cross_entropy
+from maxmoe.training.loss import cross_entropy, head_cross_entropies
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -57,22 +57,26 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
         (main, mtp), variables = model.apply(
             {"params": params, "router": router}, tokens, hidden_only=chunk > 0, mutable=["moe_stats"]
         )
-        if chunk > 0:  # main and mtp are hidden states; the head is applied block by block
-            dtype = COMPUTE_DTYPES[config.model.compute_dtype]
-
-            def loss_of(h_BTD, targets_BT, mask_BT=None):
-                return head_cross_entropy(
-                    h_BTD, params["head"], targets_BT, mask_BT, chunk=chunk, dtype=dtype, constrain=constrain
-                )
-        else:
-            loss_of = cross_entropy
-        lm_loss = loss_of(main, targets)
         t = targets.shape[1]
-        mtp_losses = []
-        for k, mtp_BTX in enumerate(mtp, start=1):
-            valid = (jnp.arange(t) < t - k).astype(jnp.float32)[None, :]
-            mtp_losses.append(loss_of(mtp_BTX, shift_left(targets, k), jnp.broadcast_to(valid, targets.shape)))
-        mtp_loss = jnp.mean(jnp.stack(mtp_losses)) if mtp_losses else jnp.zeros((), jnp.float32)
+        # Depth k predicts token t + k + 1: its last k positions have no target.
+        targets_SBT = jnp.stack([targets] + [shift_left(targets, k) for k in range(1, len(mtp) + 1)])
+        mask_SBT = jnp.stack(
+            [jnp.broadcast_to((jnp.arange(t) < t - k).astype(jnp.float32), targets.shape) for k in range(len(mtp) + 1)]
+        )
+        if chunk > 0:  # main and mtp are hidden states: the head runs block by block, once for all of them
+            losses = head_cross_entropies(
+                jnp.stack([main, *mtp]),
+                params["head"],
+                targets_SBT,
+                mask_SBT,
+                chunk=chunk,
+                dtype=COMPUTE_DTYPES[config.model.compute_dtype],
+                constrain=constrain,
+            )
+        else:
+            losses = jnp.stack([cross_entropy(x, y, m) for x, y, m in zip([main, *mtp], targets_SBT, mask_SBT)])
+        lm_loss, mtp_losses = losses[0], losses[1:]
+        mtp_loss = jnp.mean(mtp_losses) if len(mtp) else jnp.zeros((), jnp.float32)
         stats = variables["moe_stats"]
         seq_aux = sum((x.sum() for x in _stats_leaves(stats, "seq_aux")), jnp.zeros((), jnp.float32))
         loss = lm_loss + weight * mtp_loss + alpha * seq_aux
