@@ -29,7 +29,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config, ConfigError, check_mesh_fits
+from maxmoe.parallel.attention_kernels import kernel, sharded_attention
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
+from maxmoe.parallel.kernel_choice import resolve_kernels
 
 
 def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
@@ -166,8 +168,6 @@ class Layout:
 
     def attention_fn(self, name: str):
         """fn(q, k, v, scale) for attention kernel `name` [batch, seq, heads, head_dim], placed on the mesh."""
-        from maxmoe.parallel.attention_kernels import kernel, sharded_attention
-
         interpret = self.platform != "cuda"  # Pallas kernels run in interpret mode off the GPU
         if self.mesh.size == 1:
             return lambda q, k, v, scale: kernel(name)(q, k, v, scale, interpret=interpret)
@@ -199,8 +199,6 @@ def build_layout(
     which kernels `auto` means. `device_kind` (e.g. "NVIDIA H200") tells GPU generations
     apart; default: the running device's when `platform` is this process's, else unknown.
     """
-    from maxmoe.parallel.kernel_choice import resolve_kernels
-
     mesh = build_mesh(config, devices)
     rules = resolve_rules(config)
     kernels = resolve_kernels(config, platform, device_kind)

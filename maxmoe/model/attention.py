@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from maxmoe.model.attention_ops import chunked_attention, xla_attention
 from maxmoe.model.layers import RMSNorm, constrain, logical_param
 from maxmoe.model.rope import apply_rope, attention_scale
+from maxmoe.parallel.attention_kernels import kernel
+from maxmoe.parallel.kernel_choice import resolve_attention, target
 
 
 def attention_core(config, layout: Any = None):
@@ -26,8 +28,6 @@ def attention_core(config, layout: Any = None):
     if layout is not None:
         name = layout.attention.name
     else:
-        from maxmoe.parallel.kernel_choice import resolve_attention, target
-
         name = resolve_attention(config.attention, *target(), config.compute_dtype).name
     if name == "xla":
         return xla_attention
@@ -35,8 +35,6 @@ def attention_core(config, layout: Any = None):
         return lambda q, k, v, scale: chunked_attention(q, k, v, scale, config.attention_chunk)
     if layout is not None:
         return layout.attention_fn(name)
-    from maxmoe.parallel.attention_kernels import kernel
-
     return lambda q, k, v, scale: kernel(name)(q, k, v, scale, interpret=jax.default_backend() != "gpu")
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
+from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul
 
 
 def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
@@ -48,8 +49,6 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
     if backend == "ragged_dot":
         out_MF = jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
     elif backend == "mosaic_gpu":
-        from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul
-
         out_MF = mosaic_grouped_matmul(x_MD, w_GDF, group_sizes_G)
     elif backend == "tokamax":
         out_MF = _tokamax(x_MD, w_GDF, group_sizes_G)

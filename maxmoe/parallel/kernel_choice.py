@@ -25,6 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
+from maxmoe.parallel.attention_kernels import triton_lowers_here
+from maxmoe.parallel.grouped_matmul import tokamax_problem
+from maxmoe.parallel.mosaic_ragged_dot import KernelUnavailable, mosaic_modules
+
 HOPPER = ("H100", "H200", "H800", "H20", "GH200")
 BLACKWELL = ("B100", "B200", "B300", "GB200", "GB300", "BLACKWELL")
 
@@ -57,8 +63,6 @@ def gpu_generation(device_kind: str) -> str:
 
 def target() -> tuple[str, str]:
     """This process's (platform, device kind)."""
-    import jax
-
     device = jax.devices()[0]
     return normalise_platform(device.platform), device.device_kind
 
@@ -73,8 +77,6 @@ def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "",
     generation = gpu_generation(device_kind)
     label = device_kind or "CUDA (device kind unknown: taken as Hopper)"
     if generation != "hopper":
-        from maxmoe.parallel.grouped_matmul import tokamax_problem
-
         if not tokamax_problem():
             return Choice("tokamax", f"{label}: tokamax's ragged dot (its Mosaic GPU or Triton kernel)")
         return Choice(
@@ -84,10 +86,8 @@ def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "",
         )
     if compute_dtype != "bfloat16":
         return Choice("ragged_dot", f"{label}: the Mosaic GPU kernels need bfloat16; model computes in {compute_dtype}")
-    from maxmoe.parallel.mosaic_ragged_dot import KernelUnavailable, _modules
-
     try:
-        _modules()
+        mosaic_modules()
     except KernelUnavailable as e:
         return Choice("ragged_dot", f"{label}: {e}")
     return Choice("mosaic_gpu", f"{label}: jax's Pallas Mosaic GPU ragged dot (Hopper wgmma), only valid row tiles")
@@ -101,9 +101,6 @@ def resolve_attention(requested: str, platform: str, device_kind: str = "", comp
     if platform != "cuda":
         return Choice("chunked", f"{platform}: XLA flash-style attention, memory linear in sequence length")
     label = device_kind or "CUDA"
-    from maxmoe.parallel.attention_kernels import triton_lowers_here
-    from maxmoe.parallel.grouped_matmul import tokamax_problem
-
     if gpu_generation(device_kind) != "hopper" and not tokamax_problem():
         return Choice("tokamax", f"{label}: tokamax's flash attention (separate value head dim)")
 

@@ -72,7 +72,7 @@ def pick_blocks(k: int, n: int) -> Blocks:
     return Blocks(m=128, n=block_n, k=block_k)
 
 
-def _modules():
+def mosaic_modules():
     """jax's Mosaic GPU ragged-dot modules, or KernelUnavailable naming the jax version."""
     try:
         with warnings.catch_warnings():
@@ -137,7 +137,7 @@ class Kernels:
 
 def mosaic_kernels() -> Kernels:
     """jax's Hopper kernels behind the `Kernels` contract."""
-    ragged, transposed = _modules()
+    ragged, transposed = mosaic_modules()
 
     def forward(x, w, sizes, transpose_rhs=False):
         n = w.shape[1] if transpose_rhs else w.shape[2]
