@@ -184,6 +184,24 @@ def test_auto_choices_per_platform_and_device_kind():
     assert resolve_attention("xla", "cuda").name == "xla"
 
 
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["moe.grouped_matmul=mosaic_gpu"], "moe.grouped_matmul=mosaic_gpu: needs an NVIDIA Hopper GPU"),
+        (["model.attention=cudnn"], "model.attention=cudnn: cuDNN needs an NVIDIA GPU"),
+    ],
+)
+def test_a_kernel_the_target_cannot_run_is_a_config_error(overrides, fragment):
+    from maxmoe.config import ConfigError, load_config
+    from maxmoe.mesh import build_layout
+
+    config = load_config([], overrides)
+    with pytest.raises(ConfigError, match=fragment):
+        build_layout(config, jax.devices()[:1], platform="cpu")
+    with pytest.raises(ConfigError, match="compute_dtype=bfloat16"):
+        resolve_grouped_matmul("mosaic_gpu", "cuda", "NVIDIA H200", "float32")
+
+
 # ----------------------------------------------------------------------------------
 # Attention.
 

@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 
+from maxmoe.config import ConfigError
 from maxmoe.parallel.attention_kernels import triton_lowers_here
 from maxmoe.parallel.grouped_matmul import tokamax_problem
 from maxmoe.parallel.mosaic_ragged_dot import KernelUnavailable, mosaic_modules
@@ -68,10 +69,17 @@ def target() -> tuple[str, str]:
 
 
 def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16"):
-    """The grouped-matmul backend for `requested` ('auto' or a backend name) on a platform."""
-    if requested != "auto":
-        return Choice(requested, "set in the config")
+    """The grouped-matmul backend for `requested` ('auto' or a backend name) on a platform.
+
+    Raises:
+        ConfigError: when a backend named in the config cannot run there.
+    """
     platform = normalise_platform(platform)
+    if requested != "auto":
+        problem = _grouped_matmul_problem(requested, platform, device_kind, compute_dtype)
+        if problem:
+            raise ConfigError(f"moe.grouped_matmul={requested}: {problem}")
+        return Choice(requested, "set in the config")
     if platform != "cuda":
         return Choice("ragged_dot", f"{platform}: XLA's ragged_dot is the grouped GEMM of this backend")
     generation = gpu_generation(device_kind)
@@ -94,10 +102,17 @@ def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "",
 
 
 def resolve_attention(requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16"):
-    """The attention implementation for `requested` ('auto' or a name) on a platform."""
-    if requested != "auto":
-        return Choice(requested, "set in the config")
+    """The attention implementation for `requested` ('auto' or a name) on a platform.
+
+    Raises:
+        ConfigError: when an implementation named in the config cannot run there.
+    """
     platform = normalise_platform(platform)
+    if requested != "auto":
+        problem = _attention_problem(requested, platform)
+        if problem:
+            raise ConfigError(f"model.attention={requested}: {problem}")
+        return Choice(requested, "set in the config")
     if platform != "cuda":
         return Choice("chunked", f"{platform}: XLA flash-style attention, memory linear in sequence length")
     label = device_kind or "CUDA"
@@ -112,6 +127,32 @@ def resolve_attention(requested: str, platform: str, device_kind: str = "", comp
         f"{label}: jax's Pallas Triton flash attention (causal blocks above the diagonal skipped; "
         f"v padded to the qk head dim)",
     )
+
+
+def _grouped_matmul_problem(name: str, platform: str, device_kind: str, compute_dtype: str) -> str:
+    """Why backend `name` cannot run on this target ('' when it can)."""
+    if name == "tokamax":
+        return tokamax_problem()
+    if name != "mosaic_gpu":
+        return ""
+    if platform != "cuda" or gpu_generation(device_kind) != "hopper":
+        return f"needs an NVIDIA Hopper GPU (sm_90a wgmma); the target is {device_kind or platform}"
+    if compute_dtype not in ("bfloat16", "float16"):
+        return f"needs model.compute_dtype=bfloat16 (got {compute_dtype})"
+    try:
+        mosaic_modules()
+    except KernelUnavailable as e:
+        return str(e)
+    return ""
+
+
+def _attention_problem(name: str, platform: str) -> str:
+    """Why attention `name` cannot run on this platform ('' when it can; triton interprets off the GPU)."""
+    if name == "tokamax":
+        return tokamax_problem()
+    if name == "cudnn" and platform != "cuda":
+        return f"cuDNN needs an NVIDIA GPU; the target is {platform}"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
