@@ -22,6 +22,11 @@ WITHOUT_GRAIN = (
     "import runpy, sys; sys.modules['grain'] = None; sys.argv[0] = 'maxmoe.train'; "
     "runpy.run_module('maxmoe.train', run_name='__main__')"
 )
+# Steps 41-60 of the default tiny run, as fractions of the ceiling (experts / top-k = 4.0):
+# each layer's mean below 2.5 and no step above 3.5. The collapsed run (bias step 0.001)
+# had one layer at 3.8-3.9 throughout; the fixed one has every layer near 1.5-2.4 with
+# single-step swings of the sign update (2.68 at step 60 of the full run).
+MEAN_LIMIT, MAX_LIMIT = 0.625, 0.875
 SMALL = ["model.compute_dtype=float32", "train.batch_size=8", "train.seq_len=32", "train.log_every=1"]
 
 
@@ -96,10 +101,11 @@ def test_balance_metrics_per_layer_match_a_loop():
 
 
 def test_tiny_run_keeps_every_moe_layer_in_use():
-    """The first 40 steps of the default tiny run: no layer sends every token to one expert.
+    """The first 60 steps of the default tiny run: by steps 41-60 no layer sends its tokens to one expert.
 
-    Before tiny's balancing was fixed (docs/BALANCE.md), every layer reached the top-2-of-8
-    ceiling, max/mean load 4.0, by step 20 and stayed above 3 until step ~100.
+    With DeepSeek-V3's bias step (0.001) at tiny's learning rate, every layer reached the
+    top-2-of-8 ceiling (max/mean load 4.0) by step 20, and one layer or another stayed near
+    it until step ~100 (docs/BALANCE.md).
     """
     config = load_config([TINY])
     optimizer = make_optimizer(config.train)
@@ -107,11 +113,11 @@ def test_tiny_run_keeps_every_moe_layer_in_use():
     step = jax.jit(make_train_step(config, optimizer))
     batches = data.make_dataset(config)
     per_layer = []
-    for _ in range(40):
+    for _ in range(60):
         state, metrics = step(state, next(batches))
         per_layer.append(np.asarray(metrics["moe_layer_imbalance"]))
-    per_layer = np.stack(per_layer)  # [step, layer]
+    late = np.stack(per_layer)[40:]  # steps 41-60, [step, layer]
     ceiling = config.model.num_experts / config.model.experts_per_token
-    assert per_layer.shape[1] == 3
-    assert per_layer[29:].max() < 0.75 * ceiling, per_layer[29:].round(2)  # steps 30-40
-    assert per_layer.mean() < 0.6 * ceiling, per_layer.mean(0)
+    assert late.shape[1] == 3
+    assert late.mean(0).max() < MEAN_LIMIT * ceiling, late.mean(0)
+    assert late.max() < MAX_LIMIT * ceiling, late.max(0)
