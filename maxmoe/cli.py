@@ -1,4 +1,7 @@
-"""Shared command-line plumbing: `--config` files, `key=value` overrides, one-line errors."""
+"""Shared command-line plumbing: `--config` files, `key=value` overrides, `--print-config`, one-line errors.
+
+`--help` lists every config key with its type, default and doc (from maxmoe.config's declarations).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from maxmoe.config import Config, UserError, load_config
+from maxmoe.config import Config, UserError, describe_keys, load_config
+from maxmoe.data import resolve_vocab_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -18,12 +22,25 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+class _ConfigParser(_Parser):
+    """Options and `section.key=value` overrides in any order (`... train.steps=5 --print-config`)."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse hook
+        return self.parse_intermixed_args(args, namespace)
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser that takes repeated `--config FILE` and trailing `section.key=value` overrides."""
-    parser = _Parser(prog=prog, description=description)
+    parser = _ConfigParser(
+        prog=prog,
+        description=description,
+        epilog="config keys (set in a --config file or as section.key=value):\n\n" + describe_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--config", action="append", default=[], metavar="FILE", help="YAML config; repeat to merge in order"
     )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="typed overrides applied after the files"
     )
@@ -31,8 +48,15 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The validated Config named by parsed `--config` files and overrides."""
-    return load_config(args.config, args.overrides)
+    """The validated Config named by parsed `--config` files and overrides (model.vocab_size=auto resolved).
+
+    With `--print-config`, prints it as YAML and exits with status 0.
+    """
+    config = resolve_vocab_size(load_config(args.config, args.overrides))
+    if getattr(args, "print_config", False):
+        print(config.to_yaml(), end="")
+        sys.exit(0)
+    return config
 
 
 def main_guard(fn: Callable[..., int | None]) -> Callable[..., int]:

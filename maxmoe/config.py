@@ -41,9 +41,12 @@ class ConfigError(UserError):
     """A bad configuration key or value."""
 
 
-def _field(default, *, choices=None, ge=None, gt=None, doc=""):
-    """A config field with its allowed values; mutable defaults are copied per instance."""
-    meta = {"choices": choices, "ge": ge, "gt": gt, "doc": doc}
+def _field(default, *, choices=None, ge=None, gt=None, auto=False, doc=""):
+    """A config field with its allowed values and one line of doc; mutable defaults are copied per instance.
+
+    `auto=True` also allows the string "auto" (a value resolved later, e.g. from the data).
+    """
+    meta = {"choices": choices, "ge": ge, "gt": gt, "auto": auto, "doc": doc}
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -53,66 +56,77 @@ def _field(default, *, choices=None, ge=None, gt=None, doc=""):
 class ModelConfig:
     """The network: DeepSeek-V3 architecture hyper-parameters (defaults: a tiny model)."""
 
-    vocab_size: int = _field(260, gt=0, doc="byte-level corpus: 256 bytes + 4 specials")
-    hidden_size: int = _field(64, gt=0)
+    vocab_size: int = _field(
+        260, gt=0, auto=True, doc="token ids 0..N-1 (byte corpus: 256 bytes + 4 specials); auto: from the data"
+    )
+    hidden_size: int = _field(64, gt=0, doc="model width D (DeepSeek-V3: 7168)")
     num_layers: int = _field(3, gt=0, doc="main-model layers (dense + MoE)")
     first_k_dense: int = _field(1, ge=0, doc="leading layers with a dense SwiGLU MLP")
     mlp_dim: int = _field(128, gt=0, doc="dense SwiGLU hidden size (intermediate_size)")
     moe_mlp_dim: int = _field(32, gt=0, doc="per-expert hidden size (moe_intermediate_size)")
-    num_heads: int = _field(4, gt=0)
+    num_heads: int = _field(4, gt=0, doc="attention heads")
     q_lora_rank: int = _field(32, ge=0, doc="0: plain query projection")
-    kv_lora_rank: int = _field(32, gt=0)
-    qk_nope_head_dim: int = _field(16, gt=0)
-    qk_rope_head_dim: int = _field(8, gt=0)
-    v_head_dim: int = _field(16, gt=0)
+    kv_lora_rank: int = _field(32, gt=0, doc="compressed key/value latent width (MLA)")
+    qk_nope_head_dim: int = _field(16, gt=0, doc="query/key head dims without rotary embedding")
+    qk_rope_head_dim: int = _field(8, gt=0, doc="query/key head dims with rotary embedding (decoupled RoPE)")
+    v_head_dim: int = _field(16, gt=0, doc="value head dims")
     num_experts: int = _field(8, gt=0, doc="routed experts (n_routed_experts)")
-    num_shared_experts: int = _field(1, ge=0)
-    experts_per_token: int = _field(2, gt=0, doc="top-k")
+    num_shared_experts: int = _field(1, ge=0, doc="experts every token passes through")
+    experts_per_token: int = _field(2, gt=0, doc="routed experts per token (top-k)")
     num_expert_groups: int = _field(4, gt=0, doc="n_group for group-limited routing")
     topk_groups: int = _field(2, gt=0, doc="groups kept per token (topk_group)")
-    norm_topk_prob: bool = _field(True)
-    routed_scaling_factor: float = _field(2.5, gt=0)
-    score_func: str = _field("sigmoid", choices=("sigmoid", "softmax"))
-    rms_norm_eps: float = _field(1e-6, gt=0)
-    rope_theta: float = _field(10000.0, gt=0)
-    rope_scaling: str = _field("yarn", choices=("none", "yarn"))
-    rope_factor: float = _field(4.0, gt=0)
-    rope_original_max_position: int = _field(64, gt=0)
-    rope_beta_fast: float = _field(32.0, gt=0)
-    rope_beta_slow: float = _field(1.0, gt=0)
-    rope_mscale: float = _field(1.0, ge=0)
-    rope_mscale_all_dim: float = _field(1.0, ge=0)
-    max_position_embeddings: int = _field(256, gt=0)
+    norm_topk_prob: bool = _field(True, doc="normalise the chosen experts' scores to sum to 1")
+    routed_scaling_factor: float = _field(2.5, gt=0, doc="multiplies the routed experts' combine weights")
+    score_func: str = _field("sigmoid", choices=("sigmoid", "softmax"), doc="router affinity (DeepSeek-V3: sigmoid)")
+    rms_norm_eps: float = _field(1e-6, gt=0, doc="RMSNorm epsilon")
+    rope_theta: float = _field(10000.0, gt=0, doc="RoPE base")
+    rope_scaling: str = _field("yarn", choices=("none", "yarn"), doc="none: plain RoPE; yarn: context extension")
+    rope_factor: float = _field(4.0, gt=0, doc="yarn: context extension factor")
+    rope_original_max_position: int = _field(64, gt=0, doc="yarn: context length before extension")
+    rope_beta_fast: float = _field(32.0, gt=0, doc="yarn: rotations above which frequencies are kept")
+    rope_beta_slow: float = _field(1.0, gt=0, doc="yarn: rotations below which frequencies are interpolated")
+    rope_mscale: float = _field(1.0, ge=0, doc="yarn: attention temperature coefficient")
+    rope_mscale_all_dim: float = _field(1.0, ge=0, doc="yarn: temperature coefficient shared by all dims")
+    max_position_embeddings: int = _field(256, gt=0, doc="longest context the model is built for")
     mtp_num_layers: int = _field(1, ge=0, doc="multi-token prediction depth")
-    mtp_loss_weight: float = _field(0.3, ge=0)
-    compute_dtype: str = _field("bfloat16", choices=("bfloat16", "float32"))
-    remat: str = _field("none", choices=("none", "full", "save_matmuls"))
+    mtp_loss_weight: float = _field(0.3, ge=0, doc="weight of the mean MTP loss in the total")
+    compute_dtype: str = _field("bfloat16", choices=("bfloat16", "float32"), doc="matmul dtype (params stay float32)")
+    remat: str = _field(
+        "none", choices=("none", "full", "save_matmuls"), doc="recompute layer activations in the backward pass"
+    )
     attention: str = _field(
         "auto",
         choices=("auto",) + ATTENTION_IMPLEMENTATIONS,
         doc="auto: triton on NVIDIA GPUs, chunked elsewhere (maxmoe.parallel.kernel_choice)",
     )
     attention_chunk: int = _field(512, gt=0, doc="chunked attention: block length (largest divisor of T up to this)")
-    init_std: float = _field(0.02, gt=0)
+    init_std: float = _field(0.02, gt=0, doc="normal init std of weight matrices")
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Expert dispatch and load balancing."""
 
-    dispatch: str = _field("auto", choices=("auto",) + DISPATCH_STRATEGIES)
+    dispatch: str = _field(
+        "auto",
+        choices=("auto",) + DISPATCH_STRATEGIES,
+        doc="how tokens reach experts: ragged all-to-all (dropless), all-gather, or fixed capacity; auto: ragged_a2a",
+    )
     capacity_factor: float = _field(1.25, gt=0, doc="capacity dispatch: slots per expert / even share")
     buffer_factor: float = _field(0.0, ge=0, doc="0: dropless receive buffers; >0 bounds them")
     grouped_matmul: str = _field(
         "auto",
         choices=("auto",) + GROUPED_MATMUL_BACKENDS,
-        doc="auto: mosaic_gpu on Hopper GPUs, ragged_dot elsewhere (maxmoe.parallel.kernel_choice)",
+        doc="grouped GEMM backend for the experts; auto: mosaic_gpu on Hopper GPUs, ragged_dot elsewhere "
+        "(maxmoe.parallel.kernel_choice)",
     )
     emulate_ragged_a2a: str = _field(
         "auto", choices=("auto", "true", "false"), doc="auto: emulate where the backend lacks ragged all-to-all"
     )
-    bias_update_rate: float = _field(0.001, ge=0, doc="aux-loss-free bias step (DeepSeek-V3: 0.001)")
-    seq_aux_alpha: float = _field(0.0001, ge=0, doc="sequence-wise balance loss weight")
+    bias_update_rate: float = _field(
+        0.001, ge=0, doc="aux-loss-free balancing: router bias step per training step (DeepSeek-V3: 0.001)"
+    )
+    seq_aux_alpha: float = _field(0.0001, ge=0, doc="sequence-wise balance loss weight (DeepSeek-V3: 0.0001)")
 
 
 DEFAULT_RULES = {
@@ -136,12 +150,12 @@ DEFAULT_RULES = {
 class MeshConfig:
     """Device mesh and logical-to-mesh sharding rules (see docs/SHARDING.md)."""
 
-    data: int = _field(1, doc="-1 fills the remaining devices")
-    expert: int = _field(1)
-    tensor: int = _field(1)
+    data: int = _field(1, doc="data-parallel devices (may span domains); -1 fills the remaining devices")
+    expert: int = _field(1, doc="expert-parallel devices (inside a scale-up domain); -1 fills")
+    tensor: int = _field(1, doc="tensor-parallel devices (inside a scale-up domain); -1 fills")
     fsdp: bool = _field(False, doc="shard params, grads and optimizer state over data")
     scale_up_domain: int = _field(0, ge=0, doc="devices per NVLink domain; 0: auto")
-    allow_cross_domain: bool = _field(False)
+    allow_cross_domain: bool = _field(False, doc="allow expert x tensor blocks that straddle domains")
     rules: dict = _field(
         DEFAULT_RULES,
         doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp); rules not given keep their defaults",
@@ -152,29 +166,31 @@ class MeshConfig:
 class TrainConfig:
     """Optimisation and the loop."""
 
-    steps: int = _field(300, gt=0)
+    steps: int = _field(300, gt=0, doc="training steps in all (a resumed run continues to this)")
     batch_size: int = _field(16, gt=0, doc="global sequences per step")
-    seq_len: int = _field(128, gt=0)
-    seed: int = _field(0, ge=0)
+    seq_len: int = _field(128, gt=0, doc="tokens per sequence")
+    seed: int = _field(0, ge=0, doc="parameter init and data order")
     grad_accum: int = _field(1, gt=0, doc="micro-batches per step")
-    lr: float = _field(3e-3, gt=0)
-    schedule: str = _field("cosine", choices=("cosine", "wsd", "constant"))
-    warmup_steps: int = _field(30, ge=0)
-    min_lr_ratio: float = _field(0.1, ge=0)
+    lr: float = _field(3e-3, gt=0, doc="peak learning rate (AdamW)")
+    schedule: str = _field(
+        "cosine", choices=("cosine", "wsd", "constant"), doc="after warmup; wsd: warmup-stable-decay"
+    )
+    warmup_steps: int = _field(30, ge=0, doc="linear warmup to train.lr")
+    min_lr_ratio: float = _field(0.1, ge=0, doc="final learning rate / train.lr")
     decay_fraction: float = _field(0.2, ge=0, doc="wsd: final fraction of steps that decays")
-    b1: float = _field(0.9, ge=0)
-    b2: float = _field(0.95, ge=0)
-    eps: float = _field(1e-8, gt=0)
-    weight_decay: float = _field(0.1, ge=0)
+    b1: float = _field(0.9, ge=0, doc="Adam beta1")
+    b2: float = _field(0.95, ge=0, doc="Adam beta2")
+    eps: float = _field(1e-8, gt=0, doc="Adam epsilon")
+    weight_decay: float = _field(0.1, ge=0, doc="decoupled weight decay (AdamW)")
     clip_norm: float = _field(1.0, ge=0, doc="0: no clipping")
     loss_chunk: int = _field(
         16384,
         ge=0,
         doc="cross-entropy over blocks of this many vocabulary columns, logits never whole; 0: whole [B, T, V]",
     )
-    log_every: int = _field(10, gt=0)
-    eval_every: int = _field(100, gt=0)
-    eval_batches: int = _field(4, gt=0)
+    log_every: int = _field(10, gt=0, doc="steps between metric lines")
+    eval_every: int = _field(100, gt=0, doc="steps between evaluations (and one at the end)")
+    eval_batches: int = _field(4, gt=0, doc="global batches of held-out data per evaluation")
     max_bad_steps: int = _field(5, gt=0, doc="consecutive non-finite steps before stopping")
 
 
@@ -182,41 +198,54 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    source: str = _field("stdlib", choices=("stdlib", "synthetic", "shards"))
+    source: str = _field(
+        "stdlib",
+        choices=("stdlib", "synthetic", "shards"),
+        doc="stdlib: the Python standard library as bytes; synthetic: random tokens; shards: token folders",
+    )
     path: str = _field("", doc="shards: folder written by `python -m maxmoe.data prepare`")
+    mixture: dict = _field(
+        {}, doc="shards: several folders and their weights, {folder: weight, ...}, instead of data.path"
+    )
     cache_dir: str = _field("", doc="stdlib token cache; empty: ~/.cache/maxmoe")
-    eval_fraction: float = _field(0.05, gt=0)
+    eval_fraction: float = _field(0.05, gt=0, doc="stdlib: share of tokens held out for eval")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpointing."""
 
-    every: int = _field(0, ge=0, doc="0: only at the end")
-    keep: int = _field(3, gt=0)
+    # Saves are asynchronous (the step waits only for the device-to-host copy), so a save
+    # every 100 steps costs little even for short runs, and a killed run loses at most 100.
+    every: int = _field(100, ge=0, doc="steps between checkpoints (and one at the end); 0: only at the end")
+    keep: int = _field(3, gt=0, doc="newest checkpoints kept")
     keep_every: int = _field(0, ge=0, doc="also keep every N-th step; 0: off")
-    resume: bool = _field(True)
+    resume: bool = _field(True, doc="continue from the latest checkpoint in run.dir; false: refuse a non-empty run.dir")
     init_from: str = _field("", doc="initialise parameters only from this checkpoint")
-    async_save: bool = _field(True)
+    async_save: bool = _field(True, doc="write checkpoints in the background")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where output goes and how the process runs."""
 
-    dir: str = _field("runs/default")
+    dir: str = _field("runs/default", doc="metrics, resolved config, XLA flags and checkpoints go here")
     cpu_devices: int = _field(0, ge=0, doc="on a CPU host: N host devices; 0: leave as is")
-    tensorboard: bool = _field(False)
+    tensorboard: bool = _field(False, doc="also write TensorBoard events (needs tensorboardX)")
     peak_tflops: float = _field(0.0, ge=0, doc="per-device peak for MFU; 0: from the device kind")
     profile_steps: list = _field([], doc="[first, last] steps to trace with jax.profiler")
-    progress: str = _field("auto", choices=("auto", "bar", "plain"))
+    progress: str = _field(
+        "auto", choices=("auto", "bar", "plain"), doc="console: a live bar on a terminal (auto) or plain lines"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaConfig:
     """XLA flag profiles (maxmoe.xla_flags)."""
 
-    profile: str = _field("auto", choices=("auto", "none") + XLA_PROFILES)
+    profile: str = _field(
+        "auto", choices=("auto", "none") + XLA_PROFILES, doc="XLA GPU flag profile; auto: from the device kind"
+    )
     extra_flags: list = _field([], doc="more XLA flags, e.g. ['--xla_gpu_enable_command_buffer=']")
     memory_fraction: float = _field(
         0.95,
@@ -230,11 +259,15 @@ class XlaConfig:
 class DistConfig:
     """Multi-process runtime (jax.distributed)."""
 
-    mode: str = _field("auto", choices=("auto", "none", "explicit"))
-    coordinator_address: str = _field("")
-    num_processes: int = _field(0, ge=0)
-    process_id: int = _field(-1, ge=-1)
-    timeout_s: int = _field(300, gt=0)
+    mode: str = _field(
+        "auto",
+        choices=("auto", "none", "explicit"),
+        doc="auto: detect SLURM/OpenMPI/Kubernetes; explicit: the keys below",
+    )
+    coordinator_address: str = _field("", doc="explicit: host:port of process 0")
+    num_processes: int = _field(0, ge=0, doc="explicit: number of processes")
+    process_id: int = _field(-1, ge=-1, doc="explicit: this process' index")
+    timeout_s: int = _field(300, gt=0, doc="seconds to wait for every process to connect")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +302,36 @@ def _all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)]
 
 
+def _type_name(kind: type, meta: dict) -> str:
+    """How a key's values are written: its choices, or its type (with its limits)."""
+    if meta.get("choices"):
+        return "|".join(map(str, meta["choices"]))
+    name = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "mapping"}[kind]
+    limits = [
+        f">= {meta['ge']}" if meta.get("ge") is not None else "",
+        f"> {meta['gt']}" if meta.get("gt") is not None else "",
+    ]
+    name += "".join(f" {limit}" for limit in limits if limit)
+    return f"{name} or auto" if meta.get("auto") else name
+
+
+def describe_keys() -> str:
+    """Every config key with its type, default and doc, section by section (the text of --help)."""
+    lines = []
+    for section, cls in _SECTION_CLASSES.items():
+        lines.append(f"{section}: {(cls.__doc__ or '').strip()}")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = typing.get_origin(hints[f.name]) or hints[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+            lines.append(f"  {section}.{f.name}: {_type_name(kind, f.metadata)} = {shown}")
+            if f.metadata.get("doc"):
+                lines.append(f"      {f.metadata['doc']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _unknown(key: str, candidates: list[str]) -> ConfigError:
     near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.4)
     hint = f"; did you mean '{near[0]}'?" if near else ""
@@ -277,12 +340,14 @@ def _unknown(key: str, candidates: list[str]) -> ConfigError:
 
 def _coerce(key: str, value: Any, kind: type, meta: dict) -> Any:
     """Check one value against its declared type and limits; return it in that type."""
+    if meta.get("auto") and value == "auto":
+        return value
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}={value!r}: expected true or false")
     elif kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}={value!r}: expected an integer")
+            raise ConfigError(f"{key}={value!r}: expected an integer{' or auto' if meta.get('auto') else ''}")
     elif kind is float:
         if isinstance(value, str):
             try:  # YAML 1.1 reads 1e-9 (no dot) as a string
@@ -437,8 +502,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"mesh.rules.{logical}={axes!r}: expected a list of {', '.join(allowed)}")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
-    if config.data.source == "shards" and not config.data.path:
-        raise ConfigError("data.source=shards needs data.path (a folder made by `python -m maxmoe.data prepare`)")
+    _validate_shards(config.data)
     if config.xla.memory_fraction > 1:
         raise ConfigError(
             f"xla.memory_fraction={config.xla.memory_fraction}: must be <= 1 (a share of the GPU's memory)"
@@ -451,6 +515,24 @@ def validate(config: Config) -> None:
     ):
         raise ConfigError("dist.mode=explicit needs dist.coordinator_address, dist.num_processes and dist.process_id")
     check_mesh_fits(config, mesh_sizes(config))
+
+
+def _validate_shards(data: DataConfig) -> None:
+    """data.path or data.mixture (one, not both) for data.source=shards; mixture weights are positive numbers."""
+    if data.source != "shards":
+        return
+    if data.path and data.mixture:
+        raise ConfigError("data.path and data.mixture both given; use data.mixture alone for several folders")
+    if not data.path and not data.mixture:
+        raise ConfigError(
+            "data.source=shards needs data.path (a folder made by `python -m maxmoe.data prepare`) "
+            "or data.mixture ({folder: weight, ...})"
+        )
+    for folder, weight in data.mixture.items():
+        if not isinstance(folder, str) or not folder:
+            raise ConfigError(f"data.mixture: {folder!r} is not a folder path")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            raise ConfigError(f"data.mixture: weight {weight!r} of {folder}: expected a positive number")
 
 
 def mesh_sizes(config: Config) -> dict[str, int]:
@@ -466,7 +548,9 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
         if m.num_heads % tensor:
             raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by mesh.tensor={tensor}")
         for name in ("mlp_dim", "moe_mlp_dim", "vocab_size"):
-            if getattr(m, name) % tensor:
+            if (
+                isinstance(getattr(m, name), int) and getattr(m, name) % tensor
+            ):  # vocab_size=auto: checked once resolved
                 raise ConfigError(f"model.{name}={getattr(m, name)} is not divisible by mesh.tensor={tensor}")
     if expert > 0 and m.num_experts % expert:
         raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert}")

@@ -45,6 +45,7 @@ def train(config: Config) -> int:
     """Run the job described by `config`; returns the process exit status."""
     # -- process setup: before any jax computation starts a backend ------------------------
     flags = runtime.setup(config)
+    config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
 
     is_main = jax.process_index() == 0
     run_dir = Path(config.run.dir)
@@ -79,6 +80,14 @@ def train(config: Config) -> int:
             if config.checkpoint.init_from:
                 state = state.replace(**checkpoint.load_params(config.checkpoint.init_from, programs.abstract_state))
             start = 0
+        t = config.train
+        if start >= t.steps:
+            if is_main:
+                print(
+                    f"maxmoe: run.dir {run_dir} already finished step {start} of {t.steps}; "
+                    f"raise train.steps to continue"
+                )
+            return 0
         train_step, eval_step = programs.train_step, programs.eval_step
 
         def evaluate(state) -> float:
@@ -91,7 +100,6 @@ def train(config: Config) -> int:
             return float(np.mean(jax.device_get(losses)))
 
         # -- loop ------------------------------------------------------------------------------
-        t = config.train
         tokens_per_step = t.batch_size * t.seq_len
         flops_token = flops_per_token(config.model, t.seq_len)
         peak = config.run.peak_tflops or peak_tflops(jax.devices()[0].device_kind)
@@ -116,24 +124,25 @@ def train(config: Config) -> int:
             for part, choice in (("grouped matmul", layout.grouped_matmul), ("attention", layout.attention)):
                 logger.message(f"maxmoe: {part}: {choice.name} ({choice.reason})")
         profile = config.run.profile_steps
+        # Compile ahead of the loop, so that no step's time (or tokens/s, or ETA) includes it.
+        batch = to_device(next(train_data))
+        logger.message("maxmoe: compiling the train step ...")
+        compile_start = time.perf_counter()
+        train_step = train_step.lower(state, batch).compile()
+        logger.message(f"maxmoe: compiled in {time.perf_counter() - compile_start:.1f}s")
         last_time, last_step, pending = time.perf_counter(), start, None
         step = start
         while step < t.steps:
             if profile and step == profile[0]:
                 jax.profiler.start_trace(str(run_dir / "profile"))
-            state, metrics = train_step(state, to_device(next(train_data)))
+            state, metrics = train_step(state, batch if step == start else to_device(next(train_data)))
             step += 1
-            if step == start + 1:
-                jax.block_until_ready(metrics)  # compile time is not step time
-                first_step_time = time.perf_counter() - last_time
-                last_time, last_step = time.perf_counter(), step
             if profile and step == profile[1] + 1:
                 jax.profiler.stop_trace()
             if step % t.log_every == 0 or step == t.steps:
                 host = jax.device_get(metrics)
                 now = time.perf_counter()
-                # The first logged interval may hold only the compiling step.
-                step_time = (now - last_time) / (step - last_step) if step > last_step else first_step_time
+                step_time = (now - last_time) / (step - last_step)
                 last_time, last_step = now, step
                 tokens_per_s = tokens_per_step / step_time
                 per_device = tokens_per_s / devices
@@ -147,6 +156,8 @@ def train(config: Config) -> int:
                         "tflops_per_device": per_device * flops_token / 1e12,
                         "mfu": mfu(per_device, flops_token, peak),
                         "moe_imbalance": host["moe_imbalance"],
+                        "moe_layer_imbalance": host["moe_layer_imbalance"],
+                        "router_bias_spread": host["router_bias_spread"],
                         "dropped_frac": host["dropped_frac"],
                         "seq_aux": host["seq_aux"],
                         "skipped_steps": host["skipped"],

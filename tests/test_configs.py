@@ -5,9 +5,11 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from maxmoe.config import (
     ATTENTION_IMPLEMENTATIONS,
@@ -34,8 +36,9 @@ def test_configs_folder_is_not_empty():
 @pytest.mark.smoke
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_parses(path):
-    # mesh_* files are overlays for a cluster: they parse on top of the model they were sized for.
-    base = [str(REPO / "configs/deepseek_v3_671b.yaml")] if path.name.startswith("mesh_") else []
+    # mesh_* (a cluster) and context_ext_* (a training stage) are overlays: they parse on top of
+    # the model they were made for.
+    base = [str(REPO / "configs/deepseek_v3_671b.yaml")] if path.name.startswith(("mesh_", "context_ext_")) else []
     config = load_config(base + [str(path)])
     assert isinstance(config, Config)
     first = path.read_text().splitlines()[0]
@@ -49,6 +52,19 @@ def test_shipped_values_arrive():
     m = big.model
     assert (m.hidden_size, m.num_layers, m.num_experts, m.experts_per_token) == (7168, 61, 256, 8)
     assert isinstance(m.rope_theta, float) and m.rope_theta == 10000.0  # YAML int coerced to float
+    # Pre-training at 4K with plain RoPE; YaRN (the release's rope_scaling) with the context extension.
+    assert (m.rope_scaling, m.max_position_embeddings, big.train.seq_len) == ("none", 4096, 4096)
+    configs = [str(REPO / "configs" / name) for name in ("deepseek_v3_671b.yaml", "mesh_256_gb300.yaml")]
+    extended = load_config(configs + [str(REPO / "configs/context_ext_yarn.yaml")])
+    e = extended.model
+    assert (e.rope_scaling, e.rope_factor, e.rope_original_max_position, e.max_position_embeddings) == (
+        "yarn",
+        40.0,
+        4096,
+        163840,
+    )
+    assert (extended.train.seq_len, extended.train.lr, extended.moe.bias_update_rate) == (32768, 7.3e-6, 0.001)
+    assert (big.moe.bias_update_rate, big.moe.seq_aux_alpha) == (0.001, 0.0001)  # DeepSeek-V3's own values
 
 
 def test_defaults_without_files():
@@ -245,3 +261,41 @@ def test_shared_names_are_written_once(names, home):
     package = REPO / "maxmoe"
     writers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if pattern.search(p.read_text()))
     assert writers == [home]
+
+
+def _help_of(main, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_key_with_type_default_and_doc(capsys):
+    from maxmoe import info, sweep, train
+
+    for main in (train.main, info.main, sweep.main):
+        text = _help_of(main, capsys)
+        for section, cls in typing.get_type_hints(Config).items():
+            for field in dataclasses.fields(cls):
+                assert field.metadata["doc"], f"{section}.{field.name} has no doc"
+                default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+                # "  section.key: type = default" and, on the next line, the doc.
+                line = next(x for x in text.splitlines() if x.startswith(f"  {section}.{field.name}: "))
+                assert yaml.safe_load(line.rsplit(" = ", 1)[1]) == default, line
+                assert f"{line}\n      {field.metadata['doc']}\n" in text
+    assert "  moe.dispatch: auto|ragged_a2a|allgather|capacity = auto\n" in text
+    assert "  checkpoint.every: int >= 0 = 100\n" in text
+    assert "  model.vocab_size: int > 0 or auto = 260\n" in text
+
+
+def test_print_config_prints_the_resolved_yaml_and_exits(capsys, tmp_path):
+    from maxmoe import train
+
+    args = ["--config", str(REPO / "configs/tiny.yaml"), "model.vocab_size=auto", "train.steps=7", "--print-config"]
+    with pytest.raises(SystemExit) as done:
+        train.main(args + [f"run.dir={tmp_path / 'run'}"])
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    expected = load_config([str(REPO / "configs/tiny.yaml")], ["train.steps=7", f"run.dir={tmp_path / 'run'}"])
+    assert printed == expected.to_dict()  # auto resolved: the stdlib corpus has 260 tokens
+    assert not (tmp_path / "run").exists()  # nothing started

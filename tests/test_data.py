@@ -109,12 +109,15 @@ def test_stdlib_corpus_decodes_to_the_stdlib_sources_with_disjoint_splits(stdlib
     assert not any({"site-packages", "test", "tests"} & set(Path(n).parts) for n in names)
     folder = data.stdlib_corpus(stdlib_cache, 0.05)  # cached: same folder, nothing rebuilt
     assert folder.parent == Path(stdlib_cache) and folder.name.startswith(f"stdlib-{sys.version_info[0]}.")
-    held_out = data.eval_documents(names, 0.05)
+    sources = [(name, (root / name).read_bytes()) for name in names]
+    sources = [(name, source) for name, source in sources if source]  # empty files hold no document
+    held = data.eval_split([n for n, _ in sources], [len(s) for _, s in sources], 0.05)
     expected = {"train": [], "eval": []}
-    for name in names:
-        source = (root / name).read_bytes()
-        if source:
-            expected["eval" if name in held_out else "train"].append(source)
+    for index, (_, source) in enumerate(sources):
+        cut = len(source) - held.get(index, 0)
+        for split, part in (("train", source[:cut]), ("eval", source[cut:])):
+            if part:
+                expected[split].append(part)
     for split in ("train", "eval"):
         tokens, meta = data.load_tokens(folder, split)
         assert tokens.dtype == np.uint16 and tokens.max() < data.BYTE_VOCAB_SIZE
@@ -139,6 +142,26 @@ def write_corpus(folder, texts):
     return str(folder / "*.txt")
 
 
+def rejoined(folder):
+    """The documents of a byte-level token folder, the one cut by the eval split put back together."""
+    train = split_documents(data.load_tokens(folder, "train")[0])
+    held_out = split_documents(data.load_tokens(folder, "eval")[0])
+    return train, held_out
+
+
+def assert_same_documents(folder, texts):
+    """Every text is in train or eval whole, except at most one: its head in train, its tail in eval."""
+    expected = [t.encode() if isinstance(t, str) else t for t in texts if t]
+    train, held_out = rejoined(folder)
+    pieces = [d for d in train + held_out if d not in expected]
+    if pieces:
+        head = next(d for d in train if d not in expected)
+        tail = next(d for d in held_out if d not in expected)
+        assert len(pieces) == 2 and head + tail in expected, pieces
+        train, held_out = [d for d in train if d != head] + [head + tail], [d for d in held_out if d != tail]
+    assert sorted(train + held_out) == sorted(expected)
+
+
 def test_shards_round_trip_through_the_prepare_cli(tmp_path, capsys):
     texts = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (20 + i) for i in range(12)]
     pattern = write_corpus(tmp_path / "in", texts)
@@ -150,10 +173,11 @@ def test_shards_round_trip_through_the_prepare_cli(tmp_path, capsys):
     assert "train" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 260 and meta["dtype"] == "uint16"
-    assert meta["splits"]["eval"]["documents"] == 2 and meta["splits"]["train"]["documents"] == 10
-    assert meta["token_count"] == sum(len(t) + 1 for t in texts)
-    decoded = split_documents(data.load_tokens(out, "train")[0]) + split_documents(data.load_tokens(out, "eval")[0])
-    assert sorted(d.decode() for d in decoded) == sorted(texts)
+    total = sum(len(t) for t in texts)
+    eval_split = meta["splits"]["eval"]
+    assert eval_split["tokens"] - eval_split["documents"] == round(0.2 * total)  # EOS after each part
+    assert meta["token_count"] == total + eval_split["documents"] + meta["splits"]["train"]["documents"]
+    assert_same_documents(out, texts)
     cfg = config(source="shards", path=out)
     batch = next(data.make_dataset(cfg))
     assert batch.shape == (8, 33)
@@ -194,7 +218,9 @@ def test_prepare_with_a_tokenizer_json(tmp_path):
     tokens = np.concatenate([data.load_tokens(out, s)[0] for s in ("train", "eval")])
     ends = np.flatnonzero(tokens == eos)
     first = tokenizer.decode(tokens[: ends[0]].tolist())  # BPE pieces come back space-separated
-    assert "".join(first.split()) in ["".join(text.split()) for text in texts]
+    # The first train document, whole or (cut by the eval split) its head.
+    assert any("".join(text.split()).startswith("".join(first.split())) for text in texts)
+    assert len(first.split()) > 20
     cfg = config("model.vocab_size=80", "train.seq_len=8", source="shards", path=out)
     assert next(data.make_dataset(cfg)).max() < meta["vocab_size"]
 
@@ -257,3 +283,93 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, argv):
     assert result.returncode == 2
     assert result.stderr.startswith("maxmoe: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "D").exists()
+
+
+def letter_folder(tmp_path, letter, documents=6):
+    """A byte-level token folder whose documents are all `letter`: its rows say where they came from."""
+    source = tmp_path / f"in-{letter}"
+    source.mkdir()
+    for i in range(documents):
+        (source / f"{i}.txt").write_text(letter * (400 + 37 * i))
+    out = tmp_path / f"tokens-{letter}"
+    assert data_main(["prepare", "--input", str(source / "*.txt"), "--out", str(out), "--workers", "1"]) == 0
+    return out
+
+
+def row_letters(batch):
+    """The letter of each row (rows hold one letter and EOS only)."""
+    letters = []
+    for row in batch:
+        text = set(data.decode_bytes(row).decode())
+        assert len(text) == 1, text
+        letters.append(text.pop())
+    return letters
+
+
+@pytest.fixture(scope="module")
+def two_folders(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("mixture")
+    return letter_folder(tmp_path, "a"), letter_folder(tmp_path, "b")
+
+
+@pytest.mark.parametrize("weights, per_window", [((3, 1), (6, 2)), ((0.7, 0.3), (56, 24))])
+def test_two_folder_mixture_has_exact_proportions(two_folders, weights, per_window):
+    a, b = two_folders
+    cfg = config(source="shards", mixture=f"{{{a}: {weights[0]}, {b}: {weights[1]}}}")
+    batches = take(data.make_dataset(cfg), 20)
+    # 3:1 over batches of 8: 6 and 2 in every batch; 0.7:0.3: 56 and 24 in every 10 batches of 8.
+    window = 1 if per_window == (6, 2) else 10
+    for start in range(0, len(batches), window):
+        letters = [x for batch in batches[start : start + window] for x in row_letters(batch)]
+        assert (letters.count("a"), letters.count("b")) == per_window
+    # Each folder is read as its own shuffled stream: the rows of folder a are the rows a
+    # one-folder run of folder a reads, in the same order.
+    alone = take(data.make_dataset(config(source="shards", path=a)), 20)
+    from_a = [row for batch in batches for row in batch if row_letters([row]) == ["a"]]
+    np.testing.assert_array_equal(np.stack(from_a), np.concatenate(alone)[: len(from_a)])
+
+
+def test_mixture_resumes_and_slices_by_process(two_folders):
+    a, b = two_folders
+    cfg = config(source="shards", mixture=f"{{{a}: 2, {b}: 1}}")
+    iterator = data.make_dataset(cfg)
+    take(iterator, 3)
+    state = json.loads(json.dumps(iterator.get_state()))
+    expected = take(iterator, 3)
+    resumed = data.make_dataset(cfg)
+    resumed.set_state(state)
+    np.testing.assert_array_equal(np.stack(take(resumed, 3)), np.stack(expected))
+    halves = [data.make_dataset(cfg, process_index=p, process_count=2) for p in range(2)]
+    for half in halves:
+        half.set_state(state)
+    np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected[0])
+    assert "mixture of 66.7%" in iterator.description
+
+
+def test_mixture_sources_read_each_folder_in_order():
+    weights = [0.5, 0.2, 0.3]
+    ids = np.arange(1000)
+    sources, indices = data.mixture_sources(ids, weights)
+    for source, weight in enumerate(weights):
+        mine = indices[sources == source]
+        np.testing.assert_array_equal(mine, np.arange(len(mine)))  # no sample skipped or read twice
+        prefix_counts = np.cumsum(sources == source)
+        assert np.abs(prefix_counts - (ids + 1) * weight).max() <= 1.0  # every prefix within one sample
+    # Random access: any slice gives what the whole stream gives.
+    part = data.mixture_sources(ids[337:512], weights)
+    np.testing.assert_array_equal(part[0], sources[337:512])
+    np.testing.assert_array_equal(part[1], indices[337:512])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["data.source=shards"], "data.path .* or data.mixture"),
+        (["data.source=shards", "data.path=x", "data.mixture={y: 1}"], "both given"),
+        (["data.source=shards", "data.mixture={y: 0}"], "positive number"),
+        (["data.source=shards", "data.mixture={y: two}"], "positive number"),
+    ],
+)
+def test_mixture_config_errors(overrides, match):
+    with pytest.raises(UserError, match=match):
+        load_config(overrides=overrides)

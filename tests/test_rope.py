@@ -33,7 +33,9 @@ def reference_yarn_frequencies(dim, base, factor, original, beta_fast, beta_slow
 
 
 def v3_671b() -> ModelConfig:
-    return load_config([str(REPO / "configs/deepseek_v3_671b.yaml")]).model
+    """DeepSeek-V3 with YaRN: the 4K pre-training config plus its context-extension overlay."""
+    files = [str(REPO / "configs" / name) for name in ("deepseek_v3_671b.yaml", "context_ext_yarn.yaml")]
+    return load_config(files).model
 
 
 @pytest.mark.smoke

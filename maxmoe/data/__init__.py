@@ -13,18 +13,22 @@ Sources (`data.source`):
   once under data.cache_dir (default ~/.cache/maxmoe) as a token folder.
 - shards: a token folder made by `python -m maxmoe.data prepare` (data.path).
 
-Modules: `byte_tokenizer` (byte-level vocabulary), `token_folder` (the on-disk format),
-`stdlib` (the built-in corpus), `batches` (the grain pipeline), `__main__` (the
-`python -m maxmoe.data prepare|stats` command).
+Modules: `byte_tokenizer` (byte-level vocabulary), `token_folder` (the on-disk format and
+the eval split), `stdlib` (the built-in corpus), `documents` (text, JSON lines, Parquet
+inputs), `prepare` (parallel tokenisation), `mixture` (folders drawn in proportion),
+`batches` (the grain pipeline), `__main__` (the `python -m maxmoe.data prepare|stats` command).
 """
 
-from maxmoe.data.batches import BatchIterator, data_folder, make_dataset, vocab_size_of
+from maxmoe.data.batches import BatchIterator, data_folders, make_dataset, resolve_vocab_size, vocab_size_of
 from maxmoe.data.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokens, decode_bytes
+from maxmoe.data.mixture import mixture_sources
 from maxmoe.data.stdlib import STDLIB_SKIP_DIRS, stdlib_corpus, stdlib_files
 from maxmoe.data.token_folder import (
+    EVAL_SPLIT_RULE,
     FORMAT,
     FORMAT_VERSION,
-    eval_documents,
+    check_eval_fraction,
+    eval_split,
     load_tokens,
     read_meta,
     token_dtype,
@@ -35,18 +39,22 @@ __all__ = [
     "BOS_ID",
     "BYTE_VOCAB_SIZE",
     "EOS_ID",
+    "EVAL_SPLIT_RULE",
     "FORMAT",
     "FORMAT_VERSION",
     "PAD_ID",
     "STDLIB_SKIP_DIRS",
     "BatchIterator",
     "byte_tokens",
-    "data_folder",
+    "check_eval_fraction",
+    "data_folders",
     "decode_bytes",
-    "eval_documents",
+    "eval_split",
     "load_tokens",
     "make_dataset",
+    "mixture_sources",
     "read_meta",
+    "resolve_vocab_size",
     "stdlib_corpus",
     "stdlib_files",
     "token_dtype",

@@ -3,30 +3,42 @@
 Training samples are windows of seq_len + 1 tokens starting at multiples of seq_len, visited
 in a seeded permutation that is redrawn every epoch (grain's `MapDataset.shuffle`); eval
 uses the first train.eval_batches global batches of a fixed permutation, the same for every
-run and every seed. grain is imported only inside the functions that build pipelines.
+run and every seed. With a mixture (`data.mixture`), each global sample is drawn from one
+folder in exact proportions (maxmoe.data.mixture) and each folder keeps its own permutation.
+
+grain reads token folders; it is imported where those pipelines are built, because
+synthetic data (benchmarks, bare GPU images) runs without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from maxmoe.config import Config, UserError
+from maxmoe.config import Config, ConfigError, UserError, validate
 from maxmoe.data.byte_tokenizer import BYTE_VOCAB_SIZE
+from maxmoe.data.mixture import mixture_sources
 from maxmoe.data.stdlib import stdlib_corpus
 from maxmoe.data.token_folder import load_tokens, read_meta
 
 _EVAL_STREAM = 1  # key that separates eval randomness from train randomness
 
 
-def data_folder(config: Config) -> Path:
-    """The token folder a config reads (stdlib: built now if not cached)."""
-    if config.data.source == "stdlib":
-        return stdlib_corpus(config.data.cache_dir, config.data.eval_fraction)
-    if config.data.source == "shards":
-        return Path(config.data.path).expanduser()
-    raise UserError(f"data.source={config.data.source} has no token folder")
+def data_folders(config: Config) -> list[tuple[Path, float]]:
+    """The token folders a config reads and their weights (stdlib: built now if not cached).
+
+    `data.path` is one folder (weight 1); `data.mixture` maps folders to weights.
+    """
+    d = config.data
+    if d.source == "stdlib":
+        return [(stdlib_corpus(d.cache_dir, d.eval_fraction), 1.0)]
+    if d.source == "shards":
+        if d.mixture:
+            return [(Path(str(path)).expanduser(), float(weight)) for path, weight in d.mixture.items()]
+        return [(Path(d.path).expanduser(), 1.0)]
+    raise UserError(f"data.source={d.source} has no token folder")
 
 
 def vocab_size_of(config: Config) -> int:
@@ -35,25 +47,44 @@ def vocab_size_of(config: Config) -> int:
         return config.model.vocab_size
     if config.data.source == "stdlib":
         return BYTE_VOCAB_SIZE
-    return read_meta(data_folder(config))["vocab_size"]
+    sizes = {str(folder): read_meta(folder)["vocab_size"] for folder, _ in data_folders(config)}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{folder}: {size}" for folder, size in sizes.items())
+        raise UserError(f"data.mixture: the folders have different vocabularies ({listed}); use one tokenizer")
+    return next(iter(sizes.values()))
 
 
-def _stream_seed(seed: int, stream: int) -> int:
+def _grain():
+    """The grain module, or one line saying it is missing (a core dependency; bare GPU images lack it)."""
+    try:
+        import grain
+    except ImportError:
+        raise UserError(
+            "token folders (data.source=stdlib or shards) are read with grain, which is not installed: "
+            "pip install grain (or data.source=synthetic)"
+        ) from None
+    return grain
+
+
+def _stream_seed(seed: int, stream: int, folder: int = 0) -> int:
     """A well-mixed 32-bit seed for one random stream (grain reseeds epochs with seed + epoch)."""
-    return int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])
+    entropy = [seed, stream] if folder == 0 else [seed, stream, folder]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 class BatchIterator:
     """Batches of one process's rows; `get_state`/`set_state` resume exactly.
 
+    `batches` is a grain MapDataset of local batches (random access by step, read ahead by
+    threads) or a plain function of the step (synthetic data, which needs no grain).
     Attributes: split, local_batch_size, seq_len, num_batches (None: endless train stream),
     description (one line for logs).
     """
 
     def __init__(
-        self, dataset, *, split: str, local_batch_size: int, seq_len: int, num_batches: int | None, description: str
+        self, batches, *, split: str, local_batch_size: int, seq_len: int, num_batches: int | None, description: str
     ):
-        self._dataset = dataset  # grain MapDataset of local batches; random access by step
+        self._batches = batches
         self.split, self.local_batch_size, self.seq_len = split, local_batch_size, seq_len
         self.num_batches, self.description = num_batches, description
         self._step = 0
@@ -65,13 +96,15 @@ class BatchIterator:
     def __next__(self) -> np.ndarray:
         if self.num_batches is not None and self._step >= self.num_batches:
             raise StopIteration
-        if self._iterator is None:
-            import grain
-
-            # Threads read a few batches ahead; a small buffer bounds host memory.
-            options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
-            self._iterator = iter(self._dataset[self._step :].to_iter_dataset(options))
-        batch = next(self._iterator)
+        if callable(self._batches):
+            batch = self._batches(self._step)
+        else:
+            if self._iterator is None:
+                grain = _grain()
+                # Threads read a few batches ahead; a small buffer bounds host memory.
+                options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
+                self._iterator = iter(self._batches[self._step :].to_iter_dataset(options))
+            batch = next(self._iterator)
         self._step += 1
         return batch
 
@@ -87,12 +120,27 @@ class BatchIterator:
         self._step, self._iterator = step, None
 
 
+def _synthetic_batches(config: Config, *, seed: int, stream: int, local: int, process_index: int, process_count: int):
+    """step -> this process's rows of uniform random tokens; each row a pure function of its global index."""
+    vocab, window, draw_key = config.model.vocab_size, config.train.seq_len + 1, _stream_seed(seed, stream)
+
+    def batch_at(step: int) -> np.ndarray:
+        # Global sample s * batch + r is row r of step s; this process holds a contiguous block of rows.
+        first = (step * process_count + process_index) * local
+        return np.stack(
+            [
+                np.random.default_rng([draw_key, i]).integers(0, vocab, window, dtype=np.int32)
+                for i in range(first, first + local)
+            ]
+        )
+
+    return batch_at
+
+
 def make_dataset(
     config: Config, *, split: str = "train", process_index: int = 0, process_count: int = 1
 ) -> BatchIterator:
     """The batch iterator of one process for `split` ('train': endless; 'eval': train.eval_batches)."""
-    import grain
-
     t = config.train
     if split not in ("train", "eval"):
         raise UserError(f"split={split!r}: expected 'train' or 'eval'")
@@ -101,26 +149,23 @@ def make_dataset(
     if t.batch_size % process_count:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by the {process_count} processes")
     local = t.batch_size // process_count
-    window = t.seq_len + 1
     seed = 0 if split == "eval" else t.seed  # eval batches are the same whatever the seed
     stream = _EVAL_STREAM if split == "eval" else 0
+    num_batches = t.eval_batches if split == "eval" else None
+    common = dict(split=split, local_batch_size=local, seq_len=t.seq_len, num_batches=num_batches)
 
     if config.data.source == "synthetic":
-        vocab = config.model.vocab_size
-        samples = grain.MapDataset.range(2**62)
-        draw_key = _stream_seed(seed, stream)
+        batches = _synthetic_batches(
+            config, seed=seed, stream=stream, local=local, process_index=process_index, process_count=process_count
+        )
+        return BatchIterator(batches, description=f"synthetic tokens in [0, {config.model.vocab_size})", **common)
 
-        def rows(sample_ids):
-            return np.stack(
-                [
-                    np.random.default_rng([draw_key, int(i)]).integers(0, vocab, window, dtype=np.int32)
-                    for i in sample_ids
-                ]
-            )
-
-        description = f"synthetic tokens in [0, {vocab})"
-    else:
-        folder = data_folder(config)
+    grain = _grain()
+    window = t.seq_len + 1
+    folders = data_folders(config)
+    weights = [weight for _, weight in folders]
+    streams, token_arrays, described = [], [], []
+    for number, (folder, weight) in enumerate(folders):
         tokens, meta = load_tokens(folder, split)
         if config.model.vocab_size < meta["vocab_size"]:
             raise UserError(
@@ -133,28 +178,44 @@ def make_dataset(
                 f"{split} tokens of {folder}"
             )
         num_windows = (len(tokens) - 1) // t.seq_len
-        samples = grain.MapDataset.range(num_windows).shuffle(seed=_stream_seed(seed, stream)).repeat()
+        # Windows of this folder in a seeded order, reshuffled every epoch; indexable without end.
+        streams.append(grain.MapDataset.range(num_windows).shuffle(seed=_stream_seed(seed, stream, number)).repeat())
+        token_arrays.append(tokens)
+        share = f"{100 * weight / sum(weights):.3g}%: " if len(folders) > 1 else ""
+        described.append(f"{share}{len(tokens):,} tokens, {num_windows:,} windows of {window} ({folder})")
 
-        def rows(window_ids):
-            batch = np.empty((len(window_ids), window), np.int32)
-            for row, start in enumerate(np.asarray(window_ids) * t.seq_len):
-                batch[row] = tokens[start : start + window]  # slice copies beat a fancy-index gather 3x
-            return batch
+    def rows(sample_ids):
+        sample_ids = np.asarray(sample_ids)
+        if len(folders) == 1:
+            sources, indices = np.zeros_like(sample_ids), sample_ids
+        else:
+            sources, indices = mixture_sources(sample_ids, weights)
+        batch = np.empty((len(sample_ids), window), np.int32)
+        for row, (source, index) in enumerate(zip(sources, indices)):
+            start = streams[source][int(index)] * t.seq_len
+            batch[row] = token_arrays[source][start : start + window]  # slice copies beat a fancy-index gather 3x
+        return batch
 
-        description = (
-            f"{config.data.source} {split}: {len(tokens):,} tokens, {num_windows:,} windows of {window} ({folder})"
-        )
-    num_batches = t.eval_batches if split == "eval" else None
-    if num_batches is not None:
-        samples = samples[: num_batches * t.batch_size]
     # Global sample s * batch + r is row r of step s: batching by the local size and taking every
     # process_count-th batch gives this process its contiguous rows without touching the others.
-    local_batches = samples.batch(local)[process_index::process_count].map(rows)
-    return BatchIterator(
-        local_batches,
-        split=split,
-        local_batch_size=local,
-        seq_len=t.seq_len,
-        num_batches=num_batches,
-        description=description,
-    )
+    count = num_batches * t.batch_size if num_batches is not None else 2**62
+    local_batches = grain.MapDataset.range(count).batch(local)[process_index::process_count].map(rows)
+    name = "mixture of " + "; ".join(described) if len(folders) > 1 else described[0]
+    return BatchIterator(local_batches, description=f"{config.data.source} {split}: {name}", **common)
+
+
+def resolve_vocab_size(config: Config) -> Config:
+    """`config` with model.vocab_size=auto replaced by the data's vocabulary size (other values kept).
+
+    The synthetic source has no vocabulary of its own, so it needs a number.
+    """
+    if config.model.vocab_size != "auto":
+        return config
+    if config.data.source == "synthetic":
+        raise ConfigError(
+            "model.vocab_size=auto takes the vocabulary from the data; data.source=synthetic needs a number"
+        )
+    model = dataclasses.replace(config.model, vocab_size=vocab_size_of(config))
+    resolved = config.replace(model=model)
+    validate(resolved)
+    return resolved

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from maxmoe.config import UserError
 from maxmoe.data.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokens
-from maxmoe.data.token_folder import FORMAT_VERSION, eval_documents, write_token_folder
+from maxmoe.data.token_folder import EVAL_SPLIT_RULE, FORMAT_VERSION, check_eval_fraction, write_token_folder
 
 # Folders under the stdlib root that are not part of the standard library proper (site-packages)
 # or are test suites: large, repetitive, and full of deliberately broken code.
@@ -37,13 +37,14 @@ def stdlib_corpus(cache_dir: str, eval_fraction: float) -> Path:
     """The token folder of the stdlib corpus, built on first use.
 
     Its name carries the Python version and a hash of the file list, file sizes,
-    eval_fraction and format version, so a different Python or split gets its own folder.
+    eval_fraction, format version and eval split rule, so a different Python or split gets
+    its own folder.
     """
     root, names = stdlib_files()
     if not names:
         raise UserError(f"empty corpus: no *.py files under the stdlib path {root}")
-    eval_documents(names, eval_fraction)  # checks eval_fraction before any work
-    key = hashlib.sha256(json.dumps([FORMAT_VERSION, eval_fraction, str(root)]).encode())
+    check_eval_fraction(eval_fraction)
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, EVAL_SPLIT_RULE, eval_fraction, str(root)]).encode())
     for name in names:
         key.update(f"{name}\0{(root / name).stat().st_size}\n".encode())
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -52,8 +53,7 @@ def stdlib_corpus(cache_dir: str, eval_fraction: float) -> Path:
     if not (folder / "meta.json").is_file():
         write_token_folder(
             folder,
-            names,
-            lambda name: byte_tokens((root / name).read_bytes()),
+            ((name, byte_tokens((root / name).read_bytes())) for name in names),
             vocab_size=BYTE_VOCAB_SIZE,
             eos_id=EOS_ID,
             eval_fraction=eval_fraction,

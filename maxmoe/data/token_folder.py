@@ -1,8 +1,8 @@
 """Token folders: the on-disk format every token source is read from.
 
 A token folder holds `meta.json` and one flat little-endian token file per split
-(`train.bin`, `eval.bin`; uint16 when every id fits, else uint32). Documents are split into
-train and eval whole, each followed by EOS.
+(`train.bin`, `eval.bin`; uint16 when every id fits, else uint32). Documents go to train or
+eval whole (one may be cut, see `eval_split`), each part followed by EOS.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ from maxmoe.config import UserError
 
 FORMAT = "maxmoe-tokens"
 FORMAT_VERSION = 1
+EVAL_SPLIT_RULE = "tokens"  # eval_split holds out a share of tokens (earlier folders: a share of documents)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -28,68 +29,95 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def eval_documents(names: list[str], eval_fraction: float) -> set[str]:
-    """Which documents are held out: a fixed fraction chosen by a hash of each name.
-
-    Hashing names (not positions) keeps a document on the same side of the split when
-    other documents are added or removed.
-    """
+def check_eval_fraction(eval_fraction: float) -> None:
+    """A UserError unless 0 < eval_fraction < 1."""
     if not 0 < eval_fraction < 1:
         raise UserError(f"data.eval_fraction={eval_fraction}: must be between 0 and 1 (exclusive)")
-    if len(names) < 2:
-        return set()
-    count = min(len(names) - 1, max(1, round(len(names) * eval_fraction)))
-    by_hash = sorted(names, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
-    return set(by_hash[:count])
+
+
+def eval_split(names: list[str], lengths: list[int], eval_fraction: float) -> dict[int, int]:
+    """Which tokens are held out for eval: {document index: tokens at its end that go to eval}.
+
+    Documents are taken whole, in the order of a hash of their names, until eval holds
+    round(eval_fraction x all tokens); the document that crosses that line is cut and only
+    its tail held out, so the eval share is met to the token however large the documents
+    are (with one document, its last eval_fraction). Each split gets at least one token.
+    """
+    check_eval_fraction(eval_fraction)
+    total = sum(lengths)
+    if total < 2:
+        return {}
+    needed = min(total - 1, max(1, round(total * eval_fraction)))
+    held = {}
+    for index in sorted(range(len(names)), key=lambda i: hashlib.sha256(names[i].encode()).hexdigest()):
+        if needed == 0:
+            break
+        take = min(lengths[index], needed)
+        if take:
+            held[index] = take
+            needed -= take
+    return held
 
 
 def write_token_folder(
     out_dir: str | Path,
-    names: list[str],
-    encode: Callable[[str], np.ndarray],
+    documents: Iterable[tuple[str, np.ndarray]],
     *,
     vocab_size: int,
     eos_id: int,
     eval_fraction: float,
     info: dict | None = None,
 ) -> dict:
-    """Tokenise documents `names` with `encode` into a token folder at `out_dir`, atomically.
+    """Write (name, token ids) documents into a token folder at `out_dir`, atomically.
 
-    Documents go whole to train or eval (`eval_documents`), each followed by `eos_id`; with a
-    single document its last eval_fraction of tokens is held out instead. The folder is built
-    beside `out_dir` and renamed into place, so readers never see a half-written folder; if
-    another process got there first, its folder is kept. Returns the meta dict.
+    Documents keep their order; each goes to train or eval whole, except the one that
+    `eval_split` cuts, and each part is followed by `eos_id`. The tokens are first written
+    to a scratch file (the split needs every document's length), then to `train.bin` and
+    `eval.bin`. The folder is built beside `out_dir` and renamed into place, so readers never
+    see a half-written folder; if another process got there first, its folder is kept.
+    Returns the meta dict.
     """
+    check_eval_fraction(eval_fraction)
     out_dir = Path(out_dir)
-    names = sorted(names)
-    held_out = eval_documents(names, eval_fraction)
     dtype = token_dtype(vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     work.mkdir()
     try:
-        counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
-        eos = np.array([eos_id], dtype=dtype)
-        with open(work / "train.bin", "wb") as train_file, open(work / "eval.bin", "wb") as eval_file:
-            files = {"train": train_file, "eval": eval_file}
-            for name in names:
-                tokens = np.asarray(encode(name))
+        names, lengths = [], []
+        with open(work / "all.tmp", "wb") as scratch:
+            for name, tokens in documents:
+                tokens = np.asarray(tokens)
                 if tokens.size == 0:
                     continue
                 if tokens.min() < 0 or tokens.max() >= vocab_size:
-                    raise UserError(f"{name}: token id {int(tokens.max())} is outside the vocabulary of {vocab_size}")
-                tokens = tokens.astype(dtype)
-                if len(names) == 1:
-                    cut = len(tokens) - max(1, round(len(tokens) * eval_fraction))
-                    parts = {"train": tokens[:cut], "eval": tokens[cut:]}
-                else:
-                    parts = {"eval" if name in held_out else "train": tokens}
-                for split, part in parts.items():
-                    files[split].write(np.concatenate([part, eos]).astype(dtype.newbyteorder("<")).tobytes())
-                    counts[split][0] += len(part) + 1
-                    counts[split][1] += 1
-        if counts["train"][0] == 0:
-            raise UserError(f"empty corpus: the {len(names)} input documents hold no tokens")
+                    bad = int(tokens.max() if tokens.max() >= vocab_size else tokens.min())
+                    raise UserError(f"{name}: token id {bad} is outside the vocabulary of {vocab_size}")
+                scratch.write(tokens.astype(dtype.newbyteorder("<")).tobytes())
+                names.append(name)
+                lengths.append(int(tokens.size))
+        if not names:
+            raise UserError("empty corpus: the input documents hold no tokens")
+        held = eval_split(names, lengths, eval_fraction)
+        counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
+        eos = np.array([eos_id], dtype=dtype.newbyteorder("<"))
+        stream = np.memmap(work / "all.tmp", dtype=dtype.newbyteorder("<"), mode="r")
+        with open(work / "train.bin", "wb") as train_file, open(work / "eval.bin", "wb") as eval_file:
+            files = {"train": train_file, "eval": eval_file}
+            start = 0
+            for index, length in enumerate(lengths):
+                cut = length - held.get(index, 0)
+                for split, part in (
+                    ("train", stream[start : start + cut]),
+                    ("eval", stream[start + cut : start + length]),
+                ):
+                    if part.size:
+                        files[split].write(np.concatenate([part, eos]).tobytes())
+                        counts[split][0] += part.size + 1
+                        counts[split][1] += 1
+                start += length
+        del stream
+        os.remove(work / "all.tmp")
         meta = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -99,6 +127,7 @@ def write_token_folder(
             "eos_id": int(eos_id),
             "token_count": counts["train"][0] + counts["eval"][0],
             "eval_fraction": eval_fraction,
+            "eval_split": EVAL_SPLIT_RULE,
             "splits": {
                 split: {"file": f"{split}.bin", "tokens": tokens, "documents": docs}
                 for split, (tokens, docs) in counts.items()

@@ -18,7 +18,11 @@ from maxmoe.training.progress import ProgressDisplay
 
 
 def _clean(value: Any) -> Any:
-    """JSON-safe scalars: numpy/jax numbers to float/int, NaN/inf to None."""
+    """JSON-safe values: numpy/jax numbers to float/int, arrays to lists, NaN/inf to None."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0:
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -95,6 +99,10 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, list):  # one series per entry, e.g. per MoE layer
+                    for index, item in enumerate(value):
+                        if isinstance(item, (int, float)):
+                            self._tb.add_scalar(f"{key}/{index}", item, record["step"])
         self._show(record)
 
     def message(self, text: str) -> None:

@@ -14,6 +14,7 @@ A step whose loss or gradient norm is not finite leaves the state unchanged and 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -96,15 +97,41 @@ def update_router_bias(router: dict, stats: dict, rate: float) -> dict:
     return traverse_util.unflatten_dict(updated)
 
 
-def balance_metrics(stats: dict) -> dict[str, jax.Array]:
-    """moe_imbalance: max over layers of max/mean expert load; dropped_frac: mean over layers."""
-    loads = [x.reshape(-1, x.shape[-1]) for x in _stats_leaves(stats, "load")]
-    dropped = [x.reshape(-1) for x in _stats_leaves(stats, "dropped")]
+def _moe_layer_order(path: tuple) -> tuple:
+    """Sort key for MoE variables: the main stack first, then MTP depths (mtp_0, mtp_1, ...) in order."""
+    top = str(path[0])
+    depth = re.fullmatch(r"mtp_(\d+)", top)
+    return (0, 0, top) if depth is None else (1, int(depth.group(1)), top)
+
+
+def _per_layer(tree: dict, name: str) -> list[jax.Array]:
+    """The leaves called `name`, main stack first, then MTP (scanned leaves have a leading layers axis)."""
+    flat = traverse_util.flatten_dict(tree)
+    return [flat[k] for k in sorted((k for k in flat if k[-1] == name), key=_moe_layer_order)]
+
+
+def balance_metrics(stats: dict, router: dict | None = None) -> dict[str, jax.Array]:
+    """Expert balance of one step, per MoE layer (main stack in order, then the MTP depths).
+
+    moe_layer_imbalance [L]: max/mean expert load of each layer (1 is even; E/K means every
+    token picks the same K experts); moe_imbalance: its maximum; dropped_frac: mean over
+    layers; router_bias_spread [L] (when `router` is given): max - min of each layer's
+    correction bias, how far the aux-loss-free update has had to push.
+    """
+    loads = [x.reshape(-1, x.shape[-1]) for x in _per_layer(stats, "load")]
     if not loads:
-        return {"moe_imbalance": jnp.ones((), jnp.float32), "dropped_frac": jnp.zeros((), jnp.float32)}
+        none = jnp.zeros((0,), jnp.float32)
+        metrics = {"moe_imbalance": jnp.ones((), jnp.float32), "moe_layer_imbalance": none}
+        metrics["dropped_frac"] = jnp.zeros((), jnp.float32)
+        return metrics if router is None else {**metrics, "router_bias_spread": none}
     load = jnp.concatenate(loads)
     ratio = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)
-    return {"moe_imbalance": ratio.max(), "dropped_frac": jnp.concatenate(dropped).mean()}
+    dropped = jnp.concatenate([x.reshape(-1) for x in _per_layer(stats, "dropped")])
+    metrics = {"moe_imbalance": ratio.max(), "moe_layer_imbalance": ratio, "dropped_frac": dropped.mean()}
+    if router is not None:
+        bias = jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in _per_layer(router, "bias")])
+        metrics["router_bias_spread"] = bias.max(-1) - bias.min(-1)
+    return metrics
 
 
 def make_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any = None) -> Callable:
@@ -161,7 +188,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
             "grad_norm": grad_norm,
             "skipped": new_state.skipped,
             "bad_steps": new_state.bad_steps,
-            **balance_metrics(aux["moe_stats"]),
+            **balance_metrics(aux["moe_stats"], new_state.router),
         }
         return new_state, metrics
 

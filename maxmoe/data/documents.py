@@ -1,0 +1,91 @@
+"""Documents of input files, by file type: plain text, JSON lines (optionally gzipped), Parquet.
+
+    for name, text in read_documents("corpus/part-0.jsonl.gz", text_key="text"): ...
+
+- `.jsonl`, `.jsonl.gz`: one document per line, the string under `text_key`;
+- `.parquet`: one document per row, the string column `text_key` (needs pyarrow, imported
+  only here: `pip install 'maxmoe[data]'`);
+- anything else: the whole file is one document, read as bytes.
+
+Names are `path` for whole files and `path:N` (line or row N, from 1) for records; they
+decide which documents are held out for eval. Null texts are empty documents (skipped
+later). Malformed records are one-line UserErrors naming the file and line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from maxmoe.config import UserError
+
+FORMATS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}  # suffix -> format; others: text
+
+
+def document_format(path: str) -> str:
+    """'jsonl', 'parquet' or 'text' (one document per file), from the file name."""
+    name = Path(path).name.lower()
+    return next((kind for suffix, kind in FORMATS.items() if name.endswith(suffix)), "text")
+
+
+def read_documents(path: str, text_key: str = "text") -> Iterator[tuple[str, str | bytes]]:
+    """(name, text) of every document in `path`, in file order."""
+    kind = document_format(path)
+    if kind == "text":
+        yield path, Path(path).read_bytes()
+    elif kind == "jsonl":
+        yield from _jsonl_documents(path, text_key)
+    else:
+        yield from _parquet_documents(path, text_key)
+
+
+def _text_of(value, where: str, text_key: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise UserError(f"{where}: {text_key!r} holds a {type(value).__name__}, expected a string")
+    return value
+
+
+def _jsonl_documents(path: str, text_key: str) -> Iterator[tuple[str, str]]:
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    raise UserError(f"{where}: not a valid JSON line") from None
+                if not isinstance(record, dict) or text_key not in record:
+                    keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                    raise UserError(
+                        f"{where}: no key {text_key!r} (found: {keys}); name the text field with --text-key"
+                    )
+                yield where, _text_of(record[text_key], where, text_key)
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise UserError(f"{path}: not a readable gzip file ({e})") from None
+
+
+def _parquet_documents(path: str, text_key: str) -> Iterator[tuple[str, str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{path}: reading .parquet needs pyarrow: pip install 'maxmoe[data]'") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid for files that are not Parquet
+        raise UserError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    columns = table.schema_arrow.names
+    if text_key not in columns:
+        raise UserError(f"{path}: no column {text_key!r} (found: {', '.join(columns)}); name it with --text-key")
+    row = 0
+    for batch in table.iter_batches(batch_size=1024, columns=[text_key]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            where = f"{path}:{row}"
+            yield where, _text_of(value, where, text_key)
