@@ -14,15 +14,19 @@ def _env(tmp_path):
     return {**env, "PYTHONPATH": str(REPO), "PYTHON": sys.executable, "OUT": str(tmp_path)}
 
 
-def test_gpu_suite_cpu_smoke(tmp_path):
-    proc = subprocess.run(
-        ["bash", "benchmarks/gpu_suite.sh", "--cpu-smoke"],
+def run_suite(tmp_path, *args, timeout):
+    return subprocess.run(
+        ["bash", "benchmarks/gpu_suite.sh", *args],
         cwd=REPO,
         env=_env(tmp_path),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+def test_gpu_suite_cpu_smoke(tmp_path):
+    proc = run_suite(tmp_path, "--cpu-smoke", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     suite = json.loads((tmp_path / "suite.json").read_text())
     assert suite["failed_parts"] == [], suite["failed_parts"]
@@ -45,12 +49,5 @@ def test_gpu_suite_cpu_smoke(tmp_path):
 
 
 def test_gpu_suite_rejects_unknown_arguments(tmp_path):
-    proc = subprocess.run(
-        ["bash", "benchmarks/gpu_suite.sh", "--bogus"],
-        cwd=REPO,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_suite(tmp_path, "--bogus", timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr

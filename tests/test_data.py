@@ -33,6 +33,36 @@ def take(iterator, count):
     return [next(iterator) for _ in range(count)]
 
 
+def assert_resumes_and_slices(cfg, count=2):
+    """A saved position resumes the same batches, also split over two processes."""
+    iterator = data.make_dataset(cfg)
+    take(iterator, 3)
+    state = json.loads(json.dumps(iterator.get_state()))
+    expected = take(iterator, count)
+    resumed = data.make_dataset(cfg)
+    resumed.set_state(state)
+    np.testing.assert_array_equal(np.stack(take(resumed, count)), np.stack(expected))
+    # A restart with another process count continues the same global stream.
+    halves = [data.make_dataset(cfg, process_index=p, process_count=2) for p in range(2)]
+    for half in halves:
+        half.set_state(state)
+    np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected[0])
+    return iterator, resumed
+
+
+def write_bpe_tokenizer(path):
+    """A small BPE tokenizer.json trained on repeated words, with `</s>` as its EOS; returns it."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package is in the test extra")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    texts = [f"alpha beta gamma delta {i} " * 30 for i in range(6)]
+    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"]))
+    tokenizer.save(str(path))
+    return tokenizer, texts
+
+
 def source_configs(stdlib_cache):
     return [config(source="synthetic"), config(source="stdlib", cache_dir=stdlib_cache)]
 
@@ -69,18 +99,7 @@ def test_process_slices_concatenate_to_the_global_batch(stdlib_cache, process_co
 
 def test_resume_from_state_sees_the_same_batches(stdlib_cache):
     for cfg in source_configs(stdlib_cache):
-        iterator = data.make_dataset(cfg)
-        take(iterator, 3)
-        state = json.loads(json.dumps(iterator.get_state()))
-        expected = take(iterator, 2)
-        resumed = data.make_dataset(cfg)
-        resumed.set_state(state)
-        np.testing.assert_array_equal(np.stack(take(resumed, 2)), np.stack(expected))
-        # A restart with another process count continues the same global stream.
-        halves = [data.make_dataset(cfg, process_index=p, process_count=2) for p in range(2)]
-        for half in halves:
-            half.set_state(state)
-        np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected[0])
+        _, resumed = assert_resumes_and_slices(cfg)
         with pytest.raises(UserError):
             resumed.set_state({"split": "train", "step": -1})
 
@@ -189,14 +208,7 @@ def test_shards_round_trip_through_the_prepare_cli(tmp_path, capsys):
 
 
 def test_prepare_with_a_tokenizer_json(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package is not installed")
-    from tokenizers import models, pre_tokenizers, trainers
-
-    texts = [f"alpha beta gamma delta {i} " * 30 for i in range(6)]
-    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"]))
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer, texts = write_bpe_tokenizer(tmp_path / "tokenizer.json")
     out = tmp_path / "tokens"
     assert (
         data_main(
@@ -332,17 +344,7 @@ def test_two_folder_mixture_has_exact_proportions(two_folders, weights, per_wind
 def test_mixture_resumes_and_slices_by_process(two_folders):
     a, b = two_folders
     cfg = config(source="shards", mixture=f"{{{a}: 2, {b}: 1}}")
-    iterator = data.make_dataset(cfg)
-    take(iterator, 3)
-    state = json.loads(json.dumps(iterator.get_state()))
-    expected = take(iterator, 3)
-    resumed = data.make_dataset(cfg)
-    resumed.set_state(state)
-    np.testing.assert_array_equal(np.stack(take(resumed, 3)), np.stack(expected))
-    halves = [data.make_dataset(cfg, process_index=p, process_count=2) for p in range(2)]
-    for half in halves:
-        half.set_state(state)
-    np.testing.assert_array_equal(np.concatenate([next(h) for h in halves]), expected[0])
+    iterator, _ = assert_resumes_and_slices(cfg, count=3)
     assert "mixture of 66.7%" in iterator.description
 
 

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from test_data import assert_same_documents, rejoined
+from test_data import assert_same_documents, rejoined, write_bpe_tokenizer
 
 from maxmoe import data
 from maxmoe.config import ConfigError, UserError, load_config
@@ -129,14 +129,7 @@ def test_folders_do_not_depend_on_the_number_of_workers(tmp_path):
 
 
 def test_vocab_size_auto_takes_the_data_vocabulary(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package is in the test extra")
-    from tokenizers import models, pre_tokenizers, trainers
-
-    texts = [f"alpha beta gamma delta {i} " * 30 for i in range(6)]
-    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"]))
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer, texts = write_bpe_tokenizer(tmp_path / "tokenizer.json")
     for i, text in enumerate(texts):
         (tmp_path / f"{i}.txt").write_text(text)
     out = tmp_path / "tokens"

@@ -54,17 +54,23 @@ def fixed_batch(config, seed=0):
     )
 
 
+def repeat_steps(config, optimizer, state, metric, steps=30):
+    """Train `steps` steps on one fixed batch; the final state and the metric after each step."""
+    step = jax.jit(make_train_step(config, optimizer))
+    batch = fixed_batch(config)
+    values = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        values.append(float(metrics[metric]))
+    return state, values
+
+
 @pytest.mark.smoke
 def test_loss_falls_on_a_repeated_batch():
     config = load_config([TINY], SMALL + ["train.steps=40"])
     optimizer = make_optimizer(config.train)
     state = init_state(config, optimizer, jax.random.key(0))
-    step = jax.jit(make_train_step(config, optimizer))
-    batch = fixed_batch(config)
-    losses = []
-    for _ in range(30):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = repeat_steps(config, optimizer, state, "loss")
     assert np.isfinite(losses).all()
     # Random tokens: the only way down is memorising the batch.
     assert losses[-1] < 0.5 * losses[0], losses
@@ -77,12 +83,7 @@ def test_router_bias_moves_toward_balance():
     # Skewed initial routing: a head start for expert 0 that beats any score difference
     # (initial scores are sigmoid(small) ~ 0.5 +- 0.05). The updates need ~15 steps to undo it.
     state = state.replace(router=jax.tree.map(lambda b: b.at[..., 0].set(0.3), state.router))
-    step = jax.jit(make_train_step(config, optimizer))
-    batch = fixed_batch(config)
-    imbalance = []
-    for _ in range(30):
-        state, metrics = step(state, batch)
-        imbalance.append(float(metrics["moe_imbalance"]))
+    state, imbalance = repeat_steps(config, optimizer, state, "moe_imbalance")
     # Every token's copies include expert 0: its load is N of 2N copies over 8 experts.
     assert imbalance[0] == pytest.approx(4.0), imbalance[0]
     assert max(imbalance[-5:]) < 0.5 * imbalance[0], imbalance
