@@ -11,7 +11,8 @@ Two texts, two questions:
                                  (`compiled.as_text()`): all-gather / all-to-all (P-1)/P of
                                  the result, reduce-scatter (P-1) x its result, all-reduce
                                  2 (P-1)/P of it (ring), collective-permute its result; ops
-                                 inside loops multiplied by the loop's known trip count.
+                                 inside loops multiplied by the loop's known trip count;
+                                 also split by pass (`pass_of`: forward, backward, other).
 
 This is the one place that parses collectives out of program text; `maxmoe.info --lower`,
 the sweep's dry run and the benchmarks all read programs through it.
@@ -157,16 +158,37 @@ def computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, flo
     return comps, times
 
 
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+PASSES = ("forward", "backward", "other")
+
+
+def pass_of(line: str) -> str:
+    """Which pass of a training step an HLO op belongs to, from the jax op_name in its metadata.
+
+    jax names what it differentiates `jvp(...)` and the backward pass `transpose(jvp(...))`;
+    a rematerialised forward pass is recomputed inside the transpose, so it counts as
+    backward. Anything else (the optimizer update, ops without metadata) is "other".
+    """
+    name = _OP_NAME_RE.search(line)
+    if name is None:
+        return "other"
+    if "transpose(" in name.group(1):
+        return "backward"
+    return "forward" if "jvp(" in name.group(1) else "other"
+
+
 def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:
     """Per-device bytes on the wire per step by collective kind, and the part crossing domains.
 
     `device_domain[i]` is the scale-up domain of the program's device (partition) i.
-    Returns {"by_kind": {kind: bytes}, "cross_domain": {kind: bytes}, "ops": {kind: count}}.
+    Returns {"by_kind": {kind: bytes}, "cross_domain": {kind: bytes}, "ops": {kind: count},
+    "by_pass": {pass: {kind: bytes}}} (passes as `pass_of` tells them).
     """
     comps, times = computation_runs(hlo_text)
     by_kind: dict[str, float] = {}
     cross: dict[str, float] = {}
     ops: dict[str, int] = {}
+    by_pass: dict[str, dict[str, float]] = {name: {} for name in PASSES}
     n = len(device_domain)
     for name, lines in comps.items():
         runs = times.get(name, 1.0)
@@ -191,10 +213,12 @@ def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:
             }.get(kind, (peers - 1) / peers)
             moved = size * factor * runs
             by_kind[kind] = by_kind.get(kind, 0.0) + moved
+            in_pass = by_pass[pass_of(line)]
+            in_pass[kind] = in_pass.get(kind, 0.0) + moved
             ops[kind] = ops.get(kind, 0) + int(runs)
             if any(len({device_domain[i] for i in g if i < n}) > 1 for g in groups):
                 cross[kind] = cross.get(kind, 0.0) + moved
-    return {"by_kind": by_kind, "cross_domain": cross, "ops": ops}
+    return {"by_kind": by_kind, "cross_domain": cross, "ops": ops, "by_pass": by_pass}
 
 
 # ---------------------------------------------------------------------------------------

@@ -40,14 +40,15 @@ HLO = """HloModule m
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %p = (s32[], f32[8]{0}) parameter(0)
   %x = f32[8]{0} get-tuple-element(%p), index=1
-  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(Model))/while/body/checkpoint/rematted_computation/psum"}
   ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
 }
 
 ENTRY %main (a: f32[8]) -> f32[16] {
   %a = f32[8]{0} parameter(0)
   %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
-  ROOT %ag = f32[16]{0} all-gather(%a), channel_id=2, replica_groups={{0,2},{1,3}}, dimensions={0}
+  %ag = f32[16]{0} all-gather(%a), channel_id=2, replica_groups={{0,2},{1,3}}, dimensions={0}, metadata={op_name="jit(step)/jvp(Model)/all_gather" source_file="x.py"}
+  ROOT %ag2 = f32[16]{0} all-gather(%a), channel_id=3, replica_groups={{0,2},{1,3}}, dimensions={0}
 }
 """
 
@@ -55,9 +56,15 @@ ENTRY %main (a: f32[8]) -> f32[16] {
 def test_collective_bytes_counts_loops_and_domains():
     wire = hlo.collective_bytes(HLO, device_domain=[0, 0, 1, 1])
     # all-reduce: 32 B x 2 (P-1)/P = 32 B per run, 5 runs; all-gather: 64 B x 1/2.
-    assert wire["by_kind"] == {"all-reduce": 160.0, "all-gather": 32.0}
-    assert wire["ops"] == {"all-reduce": 5, "all-gather": 1}
-    assert wire["cross_domain"] == {"all-gather": 32.0}  # groups {0,2}, {1,3} span both domains
+    assert wire["by_kind"] == {"all-reduce": 160.0, "all-gather": 64.0}
+    assert wire["ops"] == {"all-reduce": 5, "all-gather": 2}
+    assert wire["cross_domain"] == {"all-gather": 64.0}  # groups {0,2}, {1,3} span both domains
+    # Recomputation inside the transpose is backward; an op without jax metadata is "other".
+    assert wire["by_pass"] == {
+        "forward": {"all-gather": 32.0},
+        "backward": {"all-reduce": 160.0},
+        "other": {"all-gather": 32.0},
+    }
 
 
 # Hand-written StableHLO with known dependences: exchange A1 feeds dot D1, which reaches

@@ -40,6 +40,7 @@ ATTENTION_OUT = "attention_out"  # MLA output [B, T, D] before the residual add
 #   save_dots_comm  save_comm + the expert gate/up + save_matmuls' dots
 # docs/PERFORMANCE.md has the bytes per policy for the shipped configs.
 _policies = jax.checkpoint_policies
+COMM_SAVING_POLICIES = ("save_comm", "save_moe", "save_dots_comm")  # run no collective again backward
 REMAT_POLICIES = {
     "full": _policies.nothing_saveable,
     "save_matmuls": _policies.dots_with_no_batch_dims_saveable,
