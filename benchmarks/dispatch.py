@@ -1,9 +1,10 @@
 """Expert-parallel dispatch strategies side by side on 8 fake CPU devices: bytes, time, memory.
 
     PYTHONPATH=. python benchmarks/dispatch.py [--proxy-tokens 512 --proxy-hidden 1024 ...]
+    JAX_PLATFORMS=cuda python benchmarks/dispatch.py --devices 8 --chunks 32   # on 8 GPUs
 
 For each strategy on a tiny and a proxy-shaped MoE layer (one forward call, mesh
-data=1 x expert=8 x tensor=1, random balanced top-k routing) it prints:
+data=1 x expert=N x tensor=1 with N = --devices, random balanced top-k routing) it prints:
 
   hlo MB     bytes each device puts on the wire per layer, from the collectives in the
              compiled HLO (`maxmoe.hlo.collective_bytes`): all-to-all and all-gather move
@@ -18,7 +19,15 @@ data=1 x expert=8 x tensor=1, random balanced top-k routing) it prints:
   temp MB    compiled.memory_analysis() temp bytes per device (args + outputs apart).
   dropped    fraction of token copies dropped.
 
-Backward doubles every collective (each has a transposed twin).
+Backward doubles every collective (each has a transposed twin). A second table runs
+forward + backward of ragged_a2a under each remat policy (`jax.checkpoint` with the model's
+policy around the layer), with and without moe.overlap=batch_split and moe.a2a_chunks:
+
+  fwd MB / bwd MB  bytes on the wire in the forward / backward pass (maxmoe.hlo.pass_of):
+             a policy that recomputes collectives shows them again in bwd
+  ms/step    wall time of forward + backward (CPU: ratios only; on GPUs this is where
+             batch_split's overlap and the chunks' effect on the one-shot kernel show)
+  temp MB    compiled temp memory: what keeping the receive buffers costs
 """
 
 import argparse
@@ -37,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from maxmoe import runtime
 from maxmoe.config import MoEConfig
 from maxmoe.hlo import collective_bytes
+from maxmoe.model.transformer import REMAT_POLICIES
 from maxmoe.parallel.dispatch import make_dispatch_plan
 
 WEIGHT_SPECS = {
@@ -119,9 +129,47 @@ def measure(layer, variant, moe, mesh, repeats):
     )
 
 
+def measure_training(layer, variant, moe, remat, mesh, repeats):
+    """Forward + backward of one layer under a remat policy: bytes by pass, time, temp memory."""
+    _, args = make_inputs(layer, mesh)
+    plan = make_dispatch_plan(mesh, moe, token_axes=("data", "expert"), weight_specs=WEIGHT_SPECS)
+
+    def layer_output(x, w_gate, w_up, w_down):
+        return plan.routed_experts(x, args[1], args[2], w_gate, w_up, w_down)[0]
+
+    if remat != "none":
+        layer_output = jax.checkpoint(layer_output, policy=REMAT_POLICIES[remat], prevent_cse=False)
+
+    def loss(x, w_gate, w_up, w_down):
+        return jnp.sum(layer_output(x, w_gate, w_up, w_down) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    inputs = (args[0], args[3], args[4], args[5])
+    compiled = step.lower(*inputs).compile()
+    jax.block_until_ready(compiled(*inputs))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        grads = compiled(*inputs)
+    jax.block_until_ready(grads)
+    by_pass = collective_bytes(compiled.as_text(), device_domain=[0] * mesh.size)["by_pass"]
+    return dict(
+        layer=layer.name,
+        variant=variant,
+        remat=remat,
+        forward=sum(by_pass["forward"].values()),
+        backward=sum(by_pass["backward"].values()),
+        ms=(time.perf_counter() - start) / repeats * 1e3,
+        temp=compiled.memory_analysis().temp_size_in_bytes,
+    )
+
+
 def main():
-    runtime.use_cpu_devices(8, force=False)  # 8 fake CPU devices unless JAX_PLATFORMS names a platform
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8, help="expert-axis size (CPU: fake devices)")
+    parser.add_argument("--chunks", type=int, default=2, help="moe.a2a_chunks of the chunked variant (GPU: 8, 32)")
+    parser.add_argument(
+        "--remat", nargs="+", default=["none", "full", "save_comm", "save_dots_comm"], help="policies of table 2"
+    )
     parser.add_argument("--proxy-tokens", type=int, default=256, help="tokens per shard (DeepSeek proxy: 4096)")
     parser.add_argument("--proxy-hidden", type=int, default=512, help="D (proxy: 2048)")
     parser.add_argument("--proxy-expert-mlp", type=int, default=128, help="F (proxy: 512)")
@@ -129,6 +177,7 @@ def main():
     parser.add_argument("--proxy-top-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    runtime.use_cpu_devices(args.devices, force=False)  # fake CPU devices unless JAX_PLATFORMS names a platform
     print(
         "$ "
         + " ".join(
@@ -137,10 +186,10 @@ def main():
     )
     print(
         f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, float32, "
-        f"mesh data=1 x expert=8 x tensor=1, forward only\n"
+        f"mesh data=1 x expert={args.devices} x tensor=1, forward only\n"
     )
 
-    mesh = Mesh(np.array(jax.devices()).reshape(1, 8, 1), ("data", "expert", "tensor"))
+    mesh = Mesh(np.array(jax.devices()[: args.devices]).reshape(1, args.devices, 1), ("data", "expert", "tensor"))
     layers = [
         Layer("tiny", 64, 64, 32, 8, 2),
         Layer(
@@ -175,6 +224,29 @@ def main():
                 f"{r['kinds']}",
                 flush=True,
             )
+
+    print("\nforward + backward, ragged_a2a, by remat policy and overlap (MB on the wire per step)\n")
+    overlaps = [
+        ("plain", MoEConfig(dispatch="ragged_a2a")),
+        ("batch_split", MoEConfig(dispatch="ragged_a2a", overlap="batch_split")),
+        (f"a2a_chunks {args.chunks}", MoEConfig(dispatch="ragged_a2a", a2a_chunks=args.chunks)),
+        (
+            f"batch_split + chunks {args.chunks}",
+            MoEConfig(dispatch="ragged_a2a", overlap="batch_split", a2a_chunks=args.chunks),
+        ),
+    ]
+    header = f"{'layer':<6} {'variant':<24} {'remat':<15} {'fwd MB':>9} {'bwd MB':>9} {'ms/step':>8} {'temp MB':>8}"
+    print(header)
+    print("-" * len(header))
+    for layer in layers:
+        for variant, moe in overlaps:
+            for remat in args.remat if variant == "plain" else ["save_comm"]:
+                r = measure_training(layer, variant, moe, remat, mesh, args.repeats)
+                print(
+                    f"{r['layer']:<6} {r['variant']:<24} {r['remat']:<15} {r['forward'] / 2**20:9.2f} "
+                    f"{r['backward'] / 2**20:9.2f} {r['ms']:8.1f} {r['temp'] / 2**20:8.1f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# One-GPU kernel suite, each part under its own timeout (whole suite < 8 minutes on one H200):
+# One-GPU kernel suite, each part under its own timeout (whole suite < 10 minutes on one H200):
 #   1. grouped matmul (100 s): bf16 matmul peak; every backend, forward and forward+backward, at the
 #      proxy_1gpu shape and the 671B per-GPU shape, half the buffer rows valid
 #   2. attention (100 s): forward+backward per implementation at (B=1, H=128, T=4096), (B=8, H=16, T=4096)
 #   3. proxy_1gpu training step (240 s): tokens/s and MFU per kernel combination, best first (each
 #      variant's row is written as soon as it is measured, so a timeout keeps the finished ones)
+#   4. remat (100 s): the same step under the other remat policies (the config's save_dots_comm is
+#      part 3's first row; on one GPU nothing is exchanged, so save_comm would equal full)
+#   5. dispatch (150 s, only with 2 or more GPUs): benchmarks/dispatch.py over all of them, forward
+#      + backward per remat policy, moe.overlap=batch_split and moe.a2a_chunks on the real ragged
+#      all-to-all
 # Needs only the core dependencies (jax's own Pallas kernels); run from the repository root:
 #
 #     bash benchmarks/gpu_suite.sh               # one NVIDIA GPU
@@ -29,7 +34,8 @@ if [[ "${1:-}" == "--cpu-smoke" ]]; then
   STEP=(--config configs/tiny.yaml --steps 2 --warmup 1 train.batch_size=2 train.seq_len=32 model.num_layers=2
         model.mtp_num_layers=0 data.source=synthetic run.cpu_devices=1 xla.profile=none)
   VARIANTS=(--variant "" --variant "model.attention=xla moe.grouped_matmul=dense_loop train.loss_chunk=0")
-  LIMITS=(300 300 300)
+  REMAT=(--variant "model.remat=full" --variant "model.remat=save_dots_comm")
+  LIMITS=(300 300 300 300 0)
 elif [[ $# -gt 0 ]]; then
   echo "usage: bash benchmarks/gpu_suite.sh [--cpu-smoke]" >&2
   exit 2
@@ -42,7 +48,8 @@ else
   # program before the kernels (XLA ragged_dot, dense attention, whole logits), which may not fit.
   VARIANTS=(--variant "" --variant "model.attention=cudnn" --variant "moe.grouped_matmul=ragged_dot"
             --variant "moe.grouped_matmul=ragged_dot model.attention=xla train.loss_chunk=0")
-  LIMITS=(100 100 240)
+  REMAT=(--variant "model.remat=full" --variant "model.remat=save_moe")
+  LIMITS=(100 100 240 100 150)
 fi
 
 status=()
@@ -61,6 +68,13 @@ run_part "grouped matmul" "${LIMITS[0]}" "$PY" benchmarks/grouped_matmul.py "${G
 run_part "attention" "${LIMITS[1]}" "$PY" benchmarks/attention.py "${ATTENTION[@]}" --json "$DEST/attention.json"
 run_part "training step" "${LIMITS[2]}" "$PY" benchmarks/step.py "${STEP[@]}" --label proxy "${VARIANTS[@]}" \
   --json "$DEST/step.json"
+run_part "remat" "${LIMITS[3]}" "$PY" benchmarks/step.py "${STEP[@]}" --label remat "${REMAT[@]}" \
+  --json "$DEST/step_remat.json"
+GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU" || true)
+if [[ "${LIMITS[4]}" -gt 0 && "$GPUS" -ge 2 ]]; then
+  run_part "dispatch" "${LIMITS[4]}" env JAX_PLATFORMS=cuda "$PY" benchmarks/dispatch.py --devices "$GPUS" \
+    --chunks 32 --repeats 5
+fi
 
 printf '%s\n' "${status[@]:-}" > "$DEST/failed_parts.txt"
 "$PY" - "$DEST" <<'PYEOF'
@@ -75,7 +89,7 @@ def load(name):
 def num(v, fmt):
     return format(v, fmt) if v is not None else "-"
 
-grouped, attention, step = load("grouped_matmul"), load("attention"), load("step")
+grouped, attention, step, remat = load("grouped_matmul"), load("attention"), load("step"), load("step_remat")
 failed = [line for line in (dest / "failed_parts.txt").read_text().splitlines() if line]
 rows = []
 if grouped:
@@ -93,6 +107,13 @@ if attention:
         detail = f"{num(r['ms'], '.2f')} ms, temp {num(r['temp_gb'], '.2f')} GB" if r["status"] == "ok" else r["status"]
         value = f"{r['tflops']:.1f} TFLOP/s" if r["tflops"] is not None else "-"
         rows.append((f"attention {r['case']}", r["impl"], value, detail))
+for r in remat["runs"] if remat else []:
+    if "error" in r:
+        rows.append(("remat", r["variant"], "-", f"failed: {r['error']}"))
+        continue
+    mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
+    rows.append(("remat", r["variant"], f"{r['tokens_per_s']:.0f} tok/s",
+                 f"{r['tflops_per_device']:.1f} TFLOP/s/dev, {mfu}, memory {num(r['memory_total'], '.3g')} B"))
 if step:
     for r in step["runs"]:
         if "error" in r:
@@ -105,7 +126,7 @@ for line in failed:
     rows.append(("part failed", line, "-", ""))
 first = grouped or attention or step or {}
 suite = {"device_kind": first.get("device_kind"), "jax": first.get("jax"), "grouped_matmul": grouped,
-         "attention": attention, "step": step, "failed_parts": failed,
+         "attention": attention, "step": step, "remat": remat, "failed_parts": failed,
          "table": [dict(zip(("part", "case", "value", "detail"), r)) for r in rows]}
 (dest / "suite.json").write_text(json.dumps(suite, indent=1))
 print(f"gpu_suite: {suite['device_kind']}, jax {suite['jax']}; JSON in {dest}/suite.json")

@@ -1,7 +1,7 @@
 """Training throughput of a config on the current devices: tokens/s, TFLOP/s per device, MFU.
 
     PYTHONPATH=. python benchmarks/step.py --config configs/proxy_1gpu.yaml [--steps 10 --warmup 2]
-        [--variant model.remat=full --variant model.remat=save_matmuls] [--json OUT] [key=value ...]
+        [--variant model.remat=full --variant model.remat=save_dots_comm] [--json OUT] [key=value ...]
 
 Sets up the process as `python -m maxmoe.train` does (host devices, the config's XLA flag
 profile), builds the mesh from the config, compiles the donated train step and times

@@ -31,6 +31,9 @@ ATTENTION_IMPLEMENTATIONS = (
     "tokamax",
 )  # model/attention_ops, parallel/attention_kernels
 XLA_PROFILES = ("h100", "h200", "b200", "gb200", "gb300")  # GPU systems with a flag profile (maxmoe.xla_flags)
+# What the backward pass keeps instead of recomputing (maxmoe.model.transformer.REMAT_POLICIES).
+REMAT_CHOICES = ("none", "full", "save_matmuls", "save_comm", "save_moe", "save_dots_comm")
+MOE_OVERLAPS = ("none", "batch_split")  # maxmoe.parallel.dispatch
 
 
 class UserError(Exception):
@@ -92,7 +95,9 @@ class ModelConfig:
     mtp_loss_weight: float = _field(0.3, ge=0, doc="weight of the mean MTP loss in the total")
     compute_dtype: str = _field("bfloat16", choices=("bfloat16", "float32"), doc="matmul dtype (params stay float32)")
     remat: str = _field(
-        "none", choices=("none", "full", "save_matmuls"), doc="recompute layer activations in the backward pass"
+        "none",
+        choices=REMAT_CHOICES,
+        doc="what the backward pass keeps rather than recomputes; the table in maxmoe.model.transformer",
     )
     attention: str = _field(
         "auto",
@@ -120,6 +125,10 @@ class MoEConfig:
         doc="grouped GEMM backend for the experts; auto: mosaic_gpu on Hopper GPUs, ragged_dot elsewhere "
         "(maxmoe.parallel.kernel_choice)",
     )
+    overlap: str = _field(
+        "none", choices=MOE_OVERLAPS, doc="batch_split: each shard's tokens as two independent dispatch halves"
+    )
+    a2a_chunks: int = _field(1, gt=0, doc="ragged_a2a: slices per (source, destination) block of each all-to-all")
     emulate_ragged_a2a: str = _field(
         "auto", choices=("auto", "true", "false"), doc="auto: emulate where the backend lacks ragged all-to-all"
     )

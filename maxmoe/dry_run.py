@@ -11,7 +11,10 @@ per device:
               result, all-reduce 2 (P-1)/P of it (ring), collective-permute its result,
               ops inside loops multiplied by the trip count (scanned layers, grad
               accumulation). `cross-domain` sums the ops whose replica groups hold devices
-              of more than one scale-up domain.
+              of more than one scale-up domain. The same bytes split by pass
+              (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
+              recomputes its collectives: model.remat=full or save_matmuls; the save_*
+              policies keep what collectives produced) and other (the optimizer update).
   flops       analytic model FLOPs per device per step (maxmoe.flops).
 The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
 whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
@@ -22,8 +25,8 @@ routing, (P-1)/P of the n x K token copies -- written into the same [M, D] outpu
 `--a2a emulate` compiles the emulation as the CPU runs it, reports its all-to-all bytes as
 `emulated_all_to_all`, replaces them by the analytic native figure and marks the memory as
 an upper bound. Either way `native_a2a_bytes` is the analytic figure: n x K x D x bytes x
-(P-1)/P per call, two calls (dispatch, combine) per MoE layer forward, twice that backward,
-and one more forward under remat (recompute).
+(P-1)/P per call, two calls (dispatch, combine) per MoE layer forward, the same two
+transposed backward, and the forward two again where the remat policy recomputes them.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from maxmoe.config import Config
 from maxmoe.flops import flops_per_token
 from maxmoe.hlo import collective_bytes
 from maxmoe.mesh import build_layout, device_domains
+from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.training.programs import build_programs
 
 GB = 1e9
@@ -53,22 +57,24 @@ def tokens_per_shard(config: Config, sizes: dict[str, int]) -> int:
     return math.ceil(t.batch_size // t.grad_accum * t.seq_len / (sizes["data"] * sizes["expert"]))
 
 
-def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> float:
-    """Per-device bytes per step of native ragged all-to-alls under balanced routing.
+def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
+    """Per-device bytes per step of native ragged all-to-alls under balanced routing, by pass.
 
-    n x K x D x bytes x (P-1)/P per call; dispatch + combine per MoE layer forward, the
-    same again backward, and the forward again where remat recomputes it (scanned MoE
-    layers; the MTP block is not rematerialised); times grad_accum micro-batches.
+    n x K x D x bytes x (P-1)/P per call; dispatch + combine per MoE layer forward and their
+    transposes backward, plus the forward two again in the backward pass of the scanned MoE
+    layers where model.remat recomputes collectives (full, save_matmuls; the MTP block is
+    not rematerialised); times grad_accum micro-batches. Returns {"forward", "backward"}.
     """
     m = config.model
     p = sizes["expert"]
     if p <= 1:
-        return 0.0
+        return {"forward": 0.0, "backward": 0.0}
     width = 2 if m.compute_dtype == "bfloat16" else 4
     per_call = tokens_per_shard(config, sizes) * m.experts_per_token * m.hidden_size * width * (p - 1) / p
-    passes_scanned = 6 if m.remat != "none" else 4
-    calls = (m.num_layers - m.first_k_dense) * passes_scanned + m.mtp_num_layers * 4
-    return per_call * calls * config.train.grad_accum
+    scanned, mtp = m.num_layers - m.first_k_dense, m.mtp_num_layers
+    recomputed = scanned * 2 if m.remat not in ("none",) + COMM_SAVING_POLICIES else 0
+    micro = per_call * config.train.grad_accum
+    return {"forward": micro * 2 * (scanned + mtp), "backward": micro * (2 * (scanned + mtp) + recomputed)}
 
 
 def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
@@ -110,25 +116,28 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
     domain = device_domains(devices, shaped.mesh.scale_up_domain)
     wire = collective_bytes(compiled.as_text(), domain)
     by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
+    by_pass = {name: dict(kinds) for name, kinds in wire["by_pass"].items()}
     notes = []
     if shaped.model.compute_dtype == "bfloat16" and by_kind.get("all-to-all"):
         # XLA:CPU computes bf16 in f32 (float normalisation), so the dispatch's all-to-alls of
         # bf16 activations appear as f32; the GPU moves them in bf16.
-        by_kind["all-to-all"] /= 2
-        if "all-to-all" in cross:
-            cross["all-to-all"] /= 2
+        for kinds in (by_kind, cross, *by_pass.values()):
+            if "all-to-all" in kinds:
+                kinds["all-to-all"] /= 2
         notes.append(
             "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
             "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
         )
-    native = native_a2a_bytes(shaped, sizes) if ragged else 0.0
+    native = native_a2a_bytes(shaped, sizes) if ragged else {"forward": 0.0, "backward": 0.0}
     memory_bound = "compiled"
     emulation_temp = 0.0
     if ragged and a2a == "emulate":
         emulated = by_kind.pop("all-to-all", 0.0)
         cross.pop("all-to-all", None)
         by_kind["emulated_all_to_all"] = emulated
-        by_kind["all-to-all"] = native
+        by_kind["all-to-all"] = sum(native.values())
+        for name in ("forward", "backward"):
+            by_pass[name]["all-to-all"] = native[name]
         emulation_temp = emulation_temp_bytes(shaped, sizes, plan)
         memory_bound = "upper bound"
         notes.append(
@@ -174,7 +183,11 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         "collective_total": sum(wire_kinds.values()),
         "cross_domain": cross,
         "cross_domain_total": sum(v for k, v in cross.items() if k != "emulated_all_to_all"),
-        "native_a2a_bytes": native,
+        "native_a2a_bytes": sum(native.values()),
+        "native_a2a_bytes_by_pass": native,
+        "collectives_by_pass": by_pass,
+        "forward_total": sum(by_pass["forward"].values()),
+        "backward_total": sum(by_pass["backward"].values()),
         "tokens_per_shard": tokens_per_shard(shaped, sizes),
         "flops_per_device": flops,
         "domains": domain_note,

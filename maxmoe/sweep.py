@@ -12,7 +12,8 @@ the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) a
 
 --dry-run: N fake CPU devices; one training step is compiled ahead of time per shape and
 described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
-collective kind and across scale-up domains, model FLOPs. `--a2a proxy` (default) compiles
+collective kind, by pass (forward, backward: what remat recomputes shows there) and across
+scale-up domains, model FLOPs. `--a2a proxy` (default) compiles
 the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
 `--a2a emulate` as the CPU emulation. The method in full: maxmoe/dry_run.py.
 
@@ -178,7 +179,8 @@ def format_table(results: list[dict], dry_run: bool) -> str:
     if dry_run:
         head = (
             f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'arg ' + u:>8} {'out ' + u:>7} {'alias ' + u:>8} "
-            f"{'temp ' + u:>8} {'total ' + u:>8} {'fits':>4} {'wire ' + u:>8} {'x-dom ' + u:>8} {'a2a ' + u:>7} "
+            f"{'temp ' + u:>8} {'total ' + u:>8} {'fits':>4} {'wire ' + u:>8} {'fwd ' + u:>7} {'bwd ' + u:>7} "
+            f"{'x-dom ' + u:>8} {'a2a ' + u:>7} {'a2a fwd':>7} {'a2a bwd':>7} "
             f"{'AR ' + u:>7} {'AG ' + u:>7} {'RS ' + u:>7} {'TFLOP':>7} {'compile s':>9}"
         )
     else:
@@ -193,11 +195,13 @@ def format_table(results: list[dict], dry_run: bool) -> str:
             lines.append(f"{i:>2} {name:<26} error: {r['error']}")
             continue
         if dry_run:
-            m, c = r["memory"], r["collectives"]
+            m, c, by_pass = r["memory"], r["collectives"], r["collectives_by_pass"]
             lines.append(
                 f"{i:>2} {name:<26} {_gb(m['argument']):>8} {_gb(m['output']):>7} {_gb(m['alias']):>8} "
                 f"{_gb(m['temp']):>8} {_gb(m['total']):>8} {'yes' if r['fits'] else 'no':>4} "
-                f"{_gb(r['collective_total']):>8} {_gb(r['cross_domain_total']):>8} {_gb(c.get('all-to-all', 0)):>7} "
+                f"{_gb(r['collective_total']):>8} {_gb(r['forward_total']):>7} {_gb(r['backward_total']):>7} "
+                f"{_gb(r['cross_domain_total']):>8} {_gb(c.get('all-to-all', 0)):>7} "
+                f"{_gb(by_pass['forward'].get('all-to-all', 0)):>7} {_gb(by_pass['backward'].get('all-to-all', 0)):>7} "
                 f"{_gb(c.get('all-reduce', 0)):>7} {_gb(c.get('all-gather', 0)):>7} {_gb(c.get('reduce-scatter', 0)):>7} "
                 f"{r['flops_per_device'] / 1e12:7.3g} {r['compile_s']:9.1f}"
             )
@@ -386,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(
             "GB = 1e9, MB = 1e6 bytes per device; wire = bytes each device sends per step (ring factors, loops x trip count); "
-            "x-dom = of which in collectives spanning scale-up domains; AR/AG/RS = all-reduce/all-gather/reduce-scatter; "
+            "fwd/bwd = of which in the forward/backward pass (a rematerialised forward pass recomputes inside the backward; "
+            "the optimizer update is neither); x-dom = of which in collectives spanning scale-up domains; "
+            "a2a fwd/bwd = all-to-all by pass; AR/AG/RS = all-reduce/all-gather/reduce-scatter; "
             "TFLOP = model FLOPs per device per step"
         )
     print(f"{len(report['results'])} shapes in {report['wall_s']:.0f}s")

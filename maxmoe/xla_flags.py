@@ -16,14 +16,26 @@ container image) and because a run must be reproducible by re-exporting the `XLA
 it recorded (`write_effective`), whatever the config says. Flags are matched by name, so
 `--xla_gpu_enable_command_buffer=` in the environment replaces the profile's value.
 
-Every flag here is accepted by the jaxlib this project pins: tests/test_xla_flags.py starts
-XLA with each profile (an unknown flag or a bad value aborts XLA at start-up). The values
-are starting points chosen by the arithmetic in the comments, not yet measured on GPUs;
-measurements go to docs/PERFORMANCE.md.
+A profile depends on two more things:
+
+  the jaxlib   an unknown flag aborts XLA at start-up, and the supported jaxlibs (0.10.2 in
+               CI, 0.11.2 on the GPU images, 0.12) do not know the same flags; flags that
+               exist only from 0.11 on are given only to those (`jaxlib_version`, read from
+               the package metadata: nothing is imported, no backend starts).
+  the expert   the ragged all-to-all's transport depends on how many ranks exchange
+  axis size    (`ragged_all_to_all_flags`): XLA's one-shot kernel for up to 32 ranks of one
+               NVLink domain, NCCL's device-initiated kernel beyond.
+
+tests/test_xla_flags.py starts XLA with every profile on the running jaxlib, and checks
+every flag of every branch against the DebugOptions fields of each supported jaxlib
+(tests/fixtures/xla_debug_options). The values are starting points chosen by the
+arithmetic in the comments and public reports, not yet measured on GPUs; measurements go
+to docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -52,7 +64,32 @@ GIB = 1 << 30
 _COMBINE_BYTES = {"h100": 256 * MIB, "h200": 512 * MIB, "b200": 512 * MIB, "gb200": 2 * GIB, "gb300": 2 * GIB}
 
 
-def _overlap_flags(combine_bytes: int) -> list[tuple[str, str]]:
+def jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's version, e.g. (0, 12, 0, 1); (0,) when it cannot be read."""
+    try:
+        text = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return (0,)
+    return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:4])
+
+
+# jaxlib 0.11 replaced the pipelining booleans by modes (default, off, on, explicit); the old
+# names are still parsed there, as deprecated aliases of `on`, but are no DebugOptions fields.
+NEW_PIPELINING_FLAGS = (0, 11)
+
+
+def _pipelining_flags(jaxlib: tuple[int, ...]) -> list[tuple[str, str]]:
+    reasons = {
+        "all_gather": "FSDP: prefetch the next layer's weight all-gather during this layer's compute",
+        "reduce_scatter": "FSDP: reduce-scatter a layer's gradients while the backward pass of the next runs",
+        "all_reduce": "without FSDP: same overlap for the gradient all-reduce over data",
+    }
+    if jaxlib >= NEW_PIPELINING_FLAGS:
+        return [(f"--xla_gpu_pipeline_{kind}=on", why) for kind, why in reasons.items()]
+    return [(f"--xla_gpu_enable_pipelined_{kind}=true", why) for kind, why in reasons.items()]
+
+
+def _overlap_flags(combine_bytes: int, jaxlib: tuple[int, ...]) -> list[tuple[str, str]]:
     """Flags every GPU profile shares: scheduling and pipelining of the collectives."""
     return [
         (
@@ -67,18 +104,7 @@ def _overlap_flags(combine_bytes: int) -> list[tuple[str, str]]:
             "--xla_gpu_enable_while_loop_double_buffering=true",
             "unroll the scanned MoE stack by two so layer i+1's collectives can overlap layer i",
         ),
-        (
-            "--xla_gpu_enable_pipelined_all_gather=true",
-            "FSDP: prefetch the next layer's weight all-gather during this layer's compute",
-        ),
-        (
-            "--xla_gpu_enable_pipelined_reduce_scatter=true",
-            "FSDP: reduce-scatter a layer's gradients while the backward pass of the next runs",
-        ),
-        (
-            "--xla_gpu_enable_pipelined_all_reduce=true",
-            "without FSDP: same overlap for the gradient all-reduce over data",
-        ),
+        *_pipelining_flags(jaxlib),
         (
             f"--xla_gpu_all_gather_combine_threshold_bytes={combine_bytes}",
             "merge a layer's weight gathers into one collective (size: see _COMBINE_BYTES)",
@@ -100,8 +126,87 @@ def _overlap_flags(combine_bytes: int) -> list[tuple[str, str]]:
     ]
 
 
-def _hopper(name: str) -> list[tuple[str, str]]:
-    return _overlap_flags(_COMBINE_BYTES[name]) + [
+# ----------------------------------------------------------------------------- ragged all-to-all
+#
+# XLA:GPU runs a ragged all-to-all in one of these ways (flag help texts and XLA's sources):
+#   one-shot kernel   every rank writes its slices straight into its peers' output buffers
+#                     between two barriers: for ranks of one NVLink domain. The barrier is
+#                     host-side (ranks in one process, <= 8 of them) or, with
+#                     use_barrier_with_nccl, a device kernel over NCCL symmetric memory, which
+#                     also serves one process per GPU; its signal region holds 32 peers, and
+#                     more ranks were reported to fault (openxla/xla#47283).
+#   device kernel     jaxlib >= 0.11: NCCL's device-initiated put/signal (NCCL >= 2.29) on
+#                     symmetric buffers; no peer limit.
+#   send/recv         the fallback: the sizes go to the host, the stream blocks, then one NCCL
+#                     send/recv pair per slice. It cannot overlap anything; jaxlib >= 0.11
+#                     refuses it unless allowed.
+# The one-shot kernel gives each slice its own thread blocks, which is why moe.a2a_chunks
+# matters there (public measurements: a few percent of NVLink bandwidth with one slice per
+# peer, and a large gain with 32 slices per peer at 16 ranks).
+# Safety: a public report saw NaN gradients with the one-shot kernel under the latency-hiding
+# scheduler at 8 ranks (cause not public). Escape hatch, dense NCCL all-to-all of padded
+# blocks: xla.extra_flags=[--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true].
+ONE_SHOT_MAX_RANKS = 32  # the one-shot kernel's NCCL barrier signals at most this many peers
+NEW_RAGGED_FLAGS = (0, 11)  # the device kernel and the fallback switch exist from here on
+
+
+def ragged_all_to_all_flags(expert_size: int, jaxlib: tuple[int, ...]) -> list[tuple[str, str]]:
+    """(flag, reason) pairs that choose the ragged all-to-all's transport for `expert_size` ranks."""
+    flags = []
+    if expert_size <= ONE_SHOT_MAX_RANKS:
+        flags += [
+            (
+                "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true",
+                "the one-shot kernel inside the NVLink domain: peers write into each other's buffers, "
+                "asynchronously, with no host round trip (the default; pinned)",
+            ),
+            (
+                "--xla_gpu_experimental_ragged_all_to_all_use_barrier_with_nccl=true",
+                "let the one-shot kernel run with one process per GPU (SLURM, Kubernetes) through a "
+                "device barrier over NCCL symmetric memory; jaxlib 0.10 defaults to false and then "
+                "takes the host-synchronised send/recv fallback",
+            ),
+        ]
+    elif jaxlib >= NEW_RAGGED_FLAGS:
+        flags += [
+            (
+                "--xla_gpu_experimental_ragged_all_to_all_use_device_kernel=true",
+                f"more than {ONE_SHOT_MAX_RANKS} expert ranks: the one-shot kernel's barrier cannot "
+                "signal them all; NCCL's device-initiated kernel has no such limit (needs NCCL >= 2.29)",
+            ),
+            (
+                "--xla_gpu_ragged_all_to_all_mode=symmetric",
+                "the device kernel needs the buffers in NCCL symmetric memory",
+            ),
+            (
+                "--xla_enable_nccl_symmetric_buffers_for_collectives=RaggedAllToAll",
+                "register the ragged all-to-all's buffers as NCCL symmetric buffers (same reason)",
+            ),
+        ]
+    if jaxlib >= NEW_RAGGED_FLAGS:
+        flags.append(
+            (
+                "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=false",
+                "never take the host-synchronised send/recv path silently: a transport that does "
+                "not apply is an error, not a 10x slower step (the default; pinned)",
+            )
+        )
+    return flags
+
+
+def transport_warning(expert_size: int, jaxlib: tuple[int, ...]) -> str | None:
+    """Why no flag gives `expert_size` ranks a safe fast ragged all-to-all on this jaxlib, or None."""
+    if expert_size > ONE_SHOT_MAX_RANKS and jaxlib < NEW_RAGGED_FLAGS:
+        return (
+            f"mesh.expert={expert_size}: jaxlib {'.'.join(map(str, jaxlib))} has no ragged all-to-all "
+            f"transport for more than {ONE_SHOT_MAX_RANKS} ranks but the host-synchronised send/recv "
+            f"fallback; use jaxlib >= 0.11 (NCCL's device kernel) or mesh.expert <= {ONE_SHOT_MAX_RANKS}"
+        )
+    return None
+
+
+def _hopper(name: str, jaxlib: tuple[int, ...]) -> list[tuple[str, str]]:
+    return _overlap_flags(_COMBINE_BYTES[name], jaxlib) + [
         (
             "--xla_gpu_enable_command_buffer=",
             "no CUDA graphs: a training step this large amortises launch overhead, and graphs "
@@ -110,8 +215,8 @@ def _hopper(name: str) -> list[tuple[str, str]]:
     ]
 
 
-def _blackwell(name: str) -> list[tuple[str, str]]:
-    return _overlap_flags(_COMBINE_BYTES[name]) + [
+def _blackwell(name: str, jaxlib: tuple[int, ...]) -> list[tuple[str, str]]:
+    return _overlap_flags(_COMBINE_BYTES[name], jaxlib) + [
         (
             "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",
             "Blackwell kernels are short enough that launch overhead shows: graph fusions and "
@@ -120,8 +225,8 @@ def _blackwell(name: str) -> list[tuple[str, str]]:
     ]
 
 
-def _nvl72(name: str) -> list[tuple[str, str]]:
-    return _blackwell(name) + [
+def _nvl72(name: str, jaxlib: tuple[int, ...]) -> list[tuple[str, str]]:
+    return _blackwell(name, jaxlib) + [
         (
             "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
             "NVL72: the expert all-to-all (inside the rack, NVLink) and the FSDP / gradient "
@@ -134,18 +239,25 @@ def _nvl72(name: str) -> list[tuple[str, str]]:
 _BUILDERS = {"h100": _hopper, "h200": _hopper, "b200": _blackwell, "gb200": _nvl72, "gb300": _nvl72}
 
 
-def describe(name: str) -> list[tuple[str, str]]:
-    """(flag, reason) pairs of a concrete profile (`none` and the five GPU systems)."""
+def describe(name: str, expert_size: int = 1, jaxlib: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
+    """(flag, reason) pairs of a concrete profile (`none` and the five GPU systems).
+
+    `expert_size` is the size of the mesh's expert axis (the ranks of a ragged all-to-all);
+    `jaxlib` the version the flags are for (default: the installed one).
+    """
     if name == "none":
         return []
     if name not in _BUILDERS:
         raise ConfigError(f"xla.profile={name!r}: allowed values are {', '.join(PROFILES)}")
-    return _BUILDERS[name](name)
+    jaxlib = jaxlib_version() if jaxlib is None else jaxlib
+    return _BUILDERS[name](name, jaxlib) + ragged_all_to_all_flags(expert_size, jaxlib)
 
 
-def profile_flags(name: str, device_kind: str | None = None) -> list[str]:
+def profile_flags(
+    name: str, device_kind: str | None = None, expert_size: int = 1, jaxlib: tuple[int, ...] | None = None
+) -> list[str]:
     """The flags of profile `name`; `auto` is resolved first (see `resolve_profile`)."""
-    return [flag for flag, _ in describe(resolve_profile(name, device_kind))]
+    return [flag for flag, _ in describe(resolve_profile(name, device_kind), expert_size, jaxlib)]
 
 
 # ----------------------------------------------------------------------------- auto
@@ -240,18 +352,18 @@ def _check_flags(flags: list[str]) -> None:
             raise ConfigError(f"xla.extra_flags: {flag!r} is not an XLA flag (expected --xla_name=value)")
 
 
-def compose(existing_xla_flags: str, profile: str, extra_flags: list[str]) -> str:
+def compose(existing_xla_flags: str, profile: str, extra_flags: list[str], expert_size: int = 1) -> str:
     """XLA_FLAGS with `profile` and `extra_flags` added under the user's `existing_xla_flags`.
 
     The existing string is kept verbatim (first); extra flags follow, then profile flags, each
     only if no flag of higher precedence sets the same name (environment > extra > profile).
-    `auto` is resolved on this host (see `resolve_profile`).
+    `auto` is resolved on this host (see `resolve_profile`); `expert_size` as in `describe`.
     """
     extra_flags = list(extra_flags)
     _check_flags(extra_flags)
     taken = {flag_name(f) for f in existing_xla_flags.split()}
     added = []
-    for flag in extra_flags + profile_flags(profile):
+    for flag in extra_flags + profile_flags(profile, expert_size=expert_size):
         if flag_name(flag) not in taken:
             taken.add(flag_name(flag))
             added.append(flag)
@@ -304,8 +416,15 @@ def apply(config: Config, device_kind: str | None = None) -> list[str]:
     if fraction is not None and not backends_initialised():
         os.environ[MEMORY_FRACTION_ENV] = fraction
     profile = resolve_profile(config.xla.profile, device_kind)
+    # mesh.expert=-1 fills the devices, which are not known before the backend starts: the
+    # flags for a small expert axis then (the transport warning below is skipped too).
+    expert_size = max(config.mesh.expert, 1)
+    if profile != "none":
+        warning = transport_warning(expert_size, jaxlib_version())
+        if warning:
+            warnings.warn(warning, stacklevel=2)
     existing = os.environ.get("XLA_FLAGS", "")
-    composed = compose(existing, profile, list(config.xla.extra_flags))
+    composed = compose(existing, profile, list(config.xla.extra_flags), expert_size)
     if composed.split() != existing.split():
         if backends_initialised():
             raise UserError(

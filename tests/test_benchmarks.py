@@ -40,6 +40,8 @@ def test_gpu_suite_cpu_smoke(tmp_path):
         "-",
         "model.attention=xla moe.grouped_matmul=dense_loop train.loss_chunk=0",
     }
+    remat = {row["case"] for row in suite["table"] if row["part"] == "remat"}
+    assert remat == {"model.remat=full", "model.remat=save_dots_comm"}
     assert suite["grouped_matmul"]["peak"]["tflops"] > 0
     # XLA's ragged_dot executes G x the useful FLOPs (8 groups, half the rows valid: 16 x)
     ragged = next(r for r in suite["grouped_matmul"]["rows"] if r["backend"] == "ragged_dot")

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
 from maxmoe.parallel.collectives import has_native_ragged_all_to_all, ragged_all_to_all
+from maxmoe.parallel.dispatch_shard import chunk_slices
 from maxmoe.parallel.grouped_matmul import grouped_matmul, tokamax_problem
 
 COMM_AXIS = "expert"
@@ -299,6 +300,50 @@ def test_emulation_gradient_matches_numpy(layout, scenario):
             for start, size in zip(args[2][src], args[3][src]):
                 sent[start : start + size] = True
             assert not np.any(g[~sent])
+
+
+def test_chunk_slices_cuts_each_slice_into_consecutive_pieces():
+    starts = np.array([0, 3, 3, 10, 17, 40, 41, 60], np.int32)
+    sizes = np.array([3, 0, 7, 1, 23, 1, 2, 5], np.int32)
+    for chunks in (1, 2, 3, 5):
+        got_starts, got_sizes = (np.asarray(a) for a in chunk_slices(jnp.asarray(starts), jnp.asarray(sizes), chunks))
+        assert got_starts.shape == got_sizes.shape == (len(starts) * chunks,)
+        for i, (start, size) in enumerate(zip(starts, sizes)):
+            # NumPy's array_split gives the first size % chunks pieces one row more, in order.
+            pieces = np.array_split(np.arange(start, start + size), chunks)
+            want_sizes = [len(p) for p in pieces]
+            want_starts = start + np.concatenate([[0], np.cumsum(want_sizes)[:-1]])
+            np.testing.assert_array_equal(got_sizes[i * chunks : (i + 1) * chunks], want_sizes)
+            np.testing.assert_array_equal(got_starts[i * chunks : (i + 1) * chunks], want_starts)
+
+
+@pytest.mark.parametrize("scenario", ["skewed", "silent_shards"])
+def test_emulation_of_chunked_slices_matches_numpy_and_the_unchunked_exchange(scenario):
+    # Each (sender, receiver) slice cut in 3 with chunk_slices: uneven pieces, and empty
+    # ones wherever a slice has fewer than 3 rows (K = 3 x P slices).
+    chunks = 3
+    mesh, sharded_axes, case, _ = _case_for_layout("data_expert", scenario, seed=11)
+    chunked = {n: case[n] for n in ("operand", "output")}
+
+    def cut(starts_name, sizes_name):
+        pairs = [
+            [chunk_slices(jnp.asarray(st), jnp.asarray(sz), chunks) for st, sz in zip(group_st, group_sz)]
+            for group_st, group_sz in zip(case[starts_name], case[sizes_name])
+        ]
+        return [[np.asarray(p[0]) for p in g] for g in pairs], [[np.asarray(p[1]) for p in g] for g in pairs]
+
+    chunked["input_offsets"], chunked["send_sizes"] = cut("input_offsets", "send_sizes")
+    chunked["output_offsets"], _ = cut("output_offsets", "send_sizes")
+    _, chunked["recv_sizes"] = cut("output_offsets", "recv_sizes")  # sizes only: pieces of each received slice
+    assert any(np.any(s == 0) for g in chunked["send_sizes"] for s in g)
+    global_args = [jnp.asarray(_to_global(mesh, sharded_axes, chunked[n])) for n in ARG_NAMES]
+    got = np.asarray(jax.jit(sharded_ragged_all_to_all(mesh, sharded_axes, True))(*global_args))
+    for group, got_peers in enumerate(_from_global(mesh, sharded_axes, got)):
+        want = numpy_ragged_all_to_all(*(chunked[n][group] for n in ARG_NAMES))
+        unchunked = numpy_ragged_all_to_all(*(case[n][group] for n in ARG_NAMES))
+        for g, w, u in zip(got_peers, want, unchunked):
+            np.testing.assert_array_equal(g, w)
+            np.testing.assert_array_equal(g, u)
 
 
 def test_native_lowers_to_collective_for_cuda_and_emulation_does_not_for_cpu():

@@ -40,14 +40,15 @@ HLO = """HloModule m
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %p = (s32[], f32[8]{0}) parameter(0)
   %x = f32[8]{0} get-tuple-element(%p), index=1
-  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(Model))/while/body/checkpoint/rematted_computation/psum"}
   ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
 }
 
 ENTRY %main (a: f32[8]) -> f32[16] {
   %a = f32[8]{0} parameter(0)
   %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
-  ROOT %ag = f32[16]{0} all-gather(%a), channel_id=2, replica_groups={{0,2},{1,3}}, dimensions={0}
+  %ag = f32[16]{0} all-gather(%a), channel_id=2, replica_groups={{0,2},{1,3}}, dimensions={0}, metadata={op_name="jit(step)/jvp(Model)/all_gather" source_file="x.py"}
+  ROOT %ag2 = f32[16]{0} all-gather(%a), channel_id=3, replica_groups={{0,2},{1,3}}, dimensions={0}
 }
 """
 
@@ -55,6 +56,74 @@ ENTRY %main (a: f32[8]) -> f32[16] {
 def test_collective_bytes_counts_loops_and_domains():
     wire = hlo.collective_bytes(HLO, device_domain=[0, 0, 1, 1])
     # all-reduce: 32 B x 2 (P-1)/P = 32 B per run, 5 runs; all-gather: 64 B x 1/2.
-    assert wire["by_kind"] == {"all-reduce": 160.0, "all-gather": 32.0}
-    assert wire["ops"] == {"all-reduce": 5, "all-gather": 1}
-    assert wire["cross_domain"] == {"all-gather": 32.0}  # groups {0,2}, {1,3} span both domains
+    assert wire["by_kind"] == {"all-reduce": 160.0, "all-gather": 64.0}
+    assert wire["ops"] == {"all-reduce": 5, "all-gather": 2}
+    assert wire["cross_domain"] == {"all-gather": 64.0}  # groups {0,2}, {1,3} span both domains
+    # Recomputation inside the transpose is backward; an op without jax metadata is "other".
+    assert wire["by_pass"] == {
+        "forward": {"all-gather": 32.0},
+        "backward": {"all-reduce": 160.0},
+        "other": {"all-gather": 32.0},
+    }
+
+
+# Hand-written StableHLO with known dependences: exchange A1 feeds dot D1, which reaches
+# the last exchange A3 through a call; exchange A2 feeds dot D2 inside a shard_map body
+# (block arguments by position); a while loop carries D2's result and runs dot D3.
+DEPENDENCES = """module @m {
+  func.func public @main(%arg0: tensor<4xf32>, %arg1: tensor<4xf32>) -> (tensor<4xf32>) {
+    %0 = stablehlo.custom_call @ragged_all_to_all(%arg0, %arg0) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+    %1 = "chlo.ragged_dot"(%0, %arg1) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+    %2 = call @helper(%1, %arg1) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+    %3:2 = sdy.manual_computation(%arg1, %1) in_shardings=[<@mesh, [{}]>] manual_axes={"x"} (%arg2: tensor<4xf32>, %arg3: tensor<4xf32>) {
+      %4 = stablehlo.custom_call @ragged_all_to_all(%arg2, %arg2) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+      %5 = "chlo.ragged_dot"(%4, %arg2) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+      sdy.return %5, %arg3 : tensor<4xf32>, tensor<4xf32>
+    } : (tensor<4xf32>, tensor<4xf32>) -> (tensor<4xf32>, tensor<4xf32>)
+    %6:2 = stablehlo.while(%iterArg = %3#0, %iterArg_0 = %arg0) : tensor<4xf32>, tensor<4xf32>
+    cond {
+      %c = stablehlo.constant dense<true> : tensor<i1>
+      stablehlo.return %c : tensor<i1>
+    } do {
+      %7 = "chlo.ragged_dot"(%iterArg_0, %arg1) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+      stablehlo.return %iterArg, %7 : tensor<4xf32>, tensor<4xf32>
+    }
+    %8 = stablehlo.custom_call @ragged_all_to_all(%2, %6#1) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+    %9 = stablehlo.custom_call @ragged_all_to_all(%3#1, %arg1) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+    return %8 : tensor<4xf32>
+  }
+  func.func private @helper(%arg0: tensor<4xf32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = stablehlo.add %arg0, %arg1 : tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}
+"""
+
+
+def test_marker_dependencies_follow_calls_shard_map_bodies_and_loops():
+    found = hlo.marker_dependencies(DEPENDENCES)
+    defined_on = {i + 1: text.split(" = ")[0].strip() for i, text in enumerate(DEPENDENCES.splitlines())}
+    name = {key: defined_on[m.line] for key, m in found.items()}
+    deps = {name[key]: {name[d] for d in m.deps} for key, m in found.items()}
+    assert {name[k]: m.kind for k, m in found.items()} == {
+        "%0": "ragged_all_to_all",
+        "%1": "ragged_dot",
+        "%4": "ragged_all_to_all",
+        "%5": "ragged_dot",
+        "%7": "ragged_dot",
+        "%8": "ragged_all_to_all",
+        "%9": "ragged_all_to_all",
+    }
+    assert deps["%0"] == set() and deps["%1"] == {"%0"}
+    assert deps["%4"] == set() and deps["%5"] == {"%4"}  # block argument %arg2 is operand %arg1: no marker
+    # Loop bodies are over-approximated: every carry sees every operand and what the body made.
+    assert deps["%7"] == {"%4", "%5", "%7"}
+    assert deps["%8"] == {"%0", "%1", "%4", "%5", "%7"}
+    assert deps["%9"] == {"%0", "%1"}  # the body returned %arg3, which is operand %1
+
+
+def test_independent_chains_and_coupling():
+    chains, coupled = hlo.independent_chains(hlo.marker_dependencies(DEPENDENCES))
+    # %8 depends on dots of both chains ({%1} via %0 and {%5, %7} via %4): one coupled exchange.
+    assert sorted(len(c) for c in chains) == [1, 2]
+    assert [hlo.marker_dependencies(DEPENDENCES)[m].line for m in coupled] == [19]

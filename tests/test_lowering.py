@@ -1,4 +1,5 @@
-"""The train step lowered for CUDA on this CPU host uses the real ragged all-to-all."""
+"""Programs lowered for CUDA on this CPU host: the real ragged all-to-all, no collective run
+again under the shipped remat policy, and two independent dispatch chains under batch_split."""
 
 import os
 import re
@@ -6,20 +7,48 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import load_config
-from maxmoe.hlo import STABLEHLO_COLLECTIVES, count_collectives
+from maxmoe.hlo import STABLEHLO_COLLECTIVES, count_collectives, independent_chains, marker_dependencies
 from maxmoe.lowering import lower_train_step
+from maxmoe.mesh import build_layout
+from maxmoe.model.moe import MoE
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
+SMALL = ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16"]
+# The policy the 671B plan runs with (the mesh file has the last word).
+SHIPPED_REMAT = load_config(
+    [str(ROOT / "configs" / "deepseek_v3_671b.yaml"), str(ROOT / "configs" / "mesh_256_gb300.yaml")]
+).model.remat
+# What a recomputed forward pass would add again: the dispatch's collectives.
+DISPATCH_COLLECTIVES = ("ragged_all_to_all", "all_to_all", "all_gather")
+
+
+@pytest.fixture(scope="module")
+def train_step_text():
+    """(platform, remat) -> StableHLO of tiny's train step on a 2 x 4 mesh; each lowered once."""
+    cache = {}
+
+    def text(platform, remat):
+        if (platform, remat) not in cache:
+            config = load_config([TINY], SMALL + [f"model.remat={remat}"])
+            cache[platform, remat] = lower_train_step(config, platform).as_text()
+        return cache[platform, remat]
+
+    return text
 
 
 @pytest.mark.smoke
-def test_cuda_lowering_uses_native_ragged_all_to_all():
-    config = load_config([TINY], ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16"])
-    text = lower_train_step(config, "cuda").as_text()
+def test_cuda_lowering_uses_native_ragged_all_to_all(train_step_text):
+    text = train_step_text("cuda", "none")
     counts = count_collectives(text)
     # 3 MoE layers (2 in the scanned stack, 1 MTP), each dispatch + combine, forward and backward;
     # the scanned stack appears once in the program.
@@ -34,43 +63,39 @@ def test_cuda_lowering_uses_native_ragged_all_to_all():
     assert not float_all_to_all, float_all_to_all[:3]
 
 
-def test_cpu_lowering_emulates():
-    config = load_config([TINY], ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16"])
-    counts = count_collectives(lower_train_step(config, "cpu").as_text())
+def test_cpu_lowering_emulates(train_step_text):
+    counts = count_collectives(train_step_text("cpu", "none"))
     assert counts["ragged_all_to_all"] == 0 and counts["all_to_all"] > 0, counts
 
 
-def test_info_lower_cuda_prints_counts():
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
+def test_shipped_remat_runs_no_collective_again(train_step_text, platform):
+    # remat=full recomputes the forward pass of the scanned MoE layers, collectives included;
+    # the shipped policy saves what they produced (on CPU the emulation's offset exchange too).
+    assert SHIPPED_REMAT not in ("none", "full")
+    plain = count_collectives(train_step_text(platform, "none"))
+    full = count_collectives(train_step_text(platform, "full"))
+    shipped = count_collectives(train_step_text(platform, SHIPPED_REMAT))
+    assert {k: shipped[k] for k in DISPATCH_COLLECTIVES} == {k: plain[k] for k in DISPATCH_COLLECTIVES}
+    key = "ragged_all_to_all" if platform == "cuda" else "all_to_all"
+    assert full[key] > plain[key]  # the counts do see recomputation
+
+
+def test_info_lower_cuda_prints_counts(train_step_text):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "maxmoe.info",
-            "--config",
-            TINY,
-            "run.cpu_devices=8",
-            "mesh.data=2",
-            "mesh.expert=4",
-            "--lower",
-            "cuda",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    command = [sys.executable, "-m", "maxmoe.info", "--config", TINY, "run.cpu_devices=8", "mesh.data=2"]
+    command += ["mesh.expert=4", f"model.remat={SHIPPED_REMAT}", "--lower", "cuda"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     counts = dict(line.split(": ") for line in result.stdout.strip().splitlines())
     assert set(counts) == set(STABLEHLO_COLLECTIVES)
-    assert int(counts["ragged_all_to_all"]) >= 2
+    # tiny.yaml's batch and sequence here, not SMALL's: the counts do not depend on them.
+    assert int(counts["ragged_all_to_all"]) == count_collectives(train_step_text("cuda", "none"))["ragged_all_to_all"]
 
 
 def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot():
     """The tiny step for an H200 (bf16, sizes multiples of 64): Mosaic GPU grouped GEMMs, flash attention."""
-    from maxmoe.mesh import build_layout
-
     config = load_config(
         [TINY],
         ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16"]
@@ -86,3 +111,69 @@ def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot():
         assert re.findall(r"xla\.gpu\.triton", text)
     else:
         assert layout.attention.name == "chunked" and "without a GPU" in layout.attention.reason
+
+
+# ---------------------------------------------------------------------------------------
+# batch_split: the two halves' exchanges and expert GEMMs form two independent chains.
+
+
+def moe_layer_text(overlap):
+    """One MoE layer of tiny, forward and backward (the cotangent an input), lowered for CUDA."""
+    config = load_config([TINY], SMALL + [f"moe.overlap={overlap}"])
+    layout = build_layout(config, jax.devices()[:8], platform="cuda")
+    module = MoE(config.model, jnp.float32, layout)
+    x = jax.ShapeDtypeStruct((8, 16, config.model.hidden_size), jnp.float32)
+    variables = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), x))
+
+    def forward_backward(params, router, x, dy):
+        def layer(params, x):
+            return module.apply({"params": params, "router": router}, x, mutable=["moe_stats"])[0]
+
+        y, vjp = jax.vjp(layer, params, x)
+        return y, vjp(dy)
+
+    lowered = jax.jit(forward_backward).trace(variables["params"], variables["router"], x, x)
+    return lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def two_chains_text(coupled):
+    """Two exchange -> ragged_dot -> exchange chains in one shard_map; `coupled` adds 0 x
+    the first chain's GEMM output to the second chain's input (a dependence, no effect)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("expert",))
+    sizes = jnp.full((4,), 2, jnp.int32)
+    offsets = jnp.arange(4, dtype=jnp.int32) * 2
+
+    def chain(x, w):
+        rows = jax.lax.ragged_all_to_all(x, jnp.zeros_like(x), offsets, sizes, offsets, sizes, axis_name="expert")
+        out = jax.lax.ragged_dot(rows, w, jnp.array([8], jnp.int32))
+        back = jax.lax.ragged_all_to_all(out, jnp.zeros_like(out), offsets, sizes, offsets, sizes, axis_name="expert")
+        return back, out
+
+    def body(x_a, x_b, w):
+        y_a, out_a = chain(x_a, w)
+        y_b, _ = chain(x_b + 0 * out_a if coupled else x_b, w)
+        return y_a + y_b
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"), P("expert"), P()), out_specs=P("expert"))
+    x, w = jax.ShapeDtypeStruct((32, 4), jnp.float32), jax.ShapeDtypeStruct((1, 4, 4), jnp.float32)
+    return jax.jit(f).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_chain_checker_sees_a_coupling():
+    chains, coupled = independent_chains(marker_dependencies(two_chains_text(coupled=False)))
+    assert len(chains) == 2 and not coupled
+    chains, coupled = independent_chains(marker_dependencies(two_chains_text(coupled=True)))
+    assert len(chains) == 1 or coupled
+
+
+@pytest.mark.parametrize("overlap, num_chains", [("none", 1), ("batch_split", 2)])
+def test_batch_split_lowers_two_independent_dispatch_chains(overlap, num_chains):
+    markers = marker_dependencies(moe_layer_text(overlap))
+    kinds = [m.kind for m in markers.values()]
+    # Per chain: dispatch and combine forward, their transposes backward; gate, up and down
+    # forward, two GEMMs each backward.
+    assert kinds.count("ragged_all_to_all") == 4 * num_chains
+    assert kinds.count("ragged_dot") == 9 * num_chains
+    chains, coupled = independent_chains(markers)
+    assert sorted(len(c) for c in chains) == [9] * num_chains
+    assert not coupled  # no half's all-to-all waits on the other half's expert GEMMs

@@ -51,12 +51,56 @@ def test_candidate_shapes_skip_what_does_not_divide():
 
 def test_native_a2a_model_scales_as_ep_minus_one_over_ep():
     config = load_config(["configs/tiny.yaml"], ["model.compute_dtype=bfloat16", "model.remat=none"])
-    by_ep = {ep: dry_run.native_a2a_bytes(config, {"data": 8 // ep, "expert": ep, "tensor": 1}) for ep in (1, 2, 4, 8)}
+    by_ep = {
+        ep: sum(dry_run.native_a2a_bytes(config, {"data": 8 // ep, "expert": ep, "tensor": 1}).values())
+        for ep in (1, 2, 4, 8)
+    }
     assert by_ep[1] == 0
     for ep in (4, 8):
         assert by_ep[ep] / by_ep[2] == pytest.approx(((ep - 1) / ep) / 0.5)
     # tiny: 2 MoE layers + 1 MTP, no remat: 12 calls of 256 tokens x 2 x 64 x 2 B x 1/2
     assert by_ep[2] == 12 * 256 * 2 * 64 * 2 * 0.5
+
+
+def test_native_a2a_model_follows_the_remat_policy():
+    sizes = {"data": 2, "expert": 4, "tensor": 1}
+    by_policy = {
+        remat: dry_run.native_a2a_bytes(load_config(["configs/tiny.yaml"], [f"model.remat={remat}"]), sizes)
+        for remat in ("none", "full", "save_matmuls", "save_comm", "save_dots_comm")
+    }
+    # tiny: 2 scanned MoE layers + 1 MTP, dispatch and combine each: 6 calls forward, their 6
+    # transposes backward, and 4 more backward where the scanned layers' forward is recomputed.
+    for remat, passes in by_policy.items():
+        assert passes["forward"] == by_policy["none"]["forward"]
+        recomputed = 4 if remat in ("full", "save_matmuls") else 0
+        assert passes["backward"] == pytest.approx(passes["forward"] * (6 + recomputed) / 6)
+
+
+@pytest.fixture(scope="module")
+def dry_runs_by_policy():
+    import jax
+
+    out = {}
+    for remat in ("full", "save_comm"):
+        overrides = ["model.compute_dtype=bfloat16", f"model.remat={remat}", "train.batch_size=8", "train.seq_len=16"]
+        config = load_config(["configs/tiny.yaml"], overrides)
+        sizes = {"data": 2, "expert": 4, "tensor": 1}
+        (_, mesh), *_ = sweep.candidate_shapes(config, jax.devices()[:8], [sizes])[0]
+        out[remat] = dry_run.dry_run_shape(sweep.with_mesh(config, sizes), sizes, mesh, hbm_gb=1.0)
+    return out
+
+
+def test_dry_run_splits_collectives_by_pass_and_shows_recomputed_all_to_alls(dry_runs_by_policy):
+    full, save_comm = dry_runs_by_policy["full"], dry_runs_by_policy["save_comm"]
+    for r in (full, save_comm):
+        measured = {p: r["collectives_by_pass"][p].get("all-to-all", 0.0) for p in ("forward", "backward")}
+        assert measured == pytest.approx(r["native_a2a_bytes_by_pass"], rel=0.02)
+        assert r["forward_total"] == pytest.approx(sum(r["collectives_by_pass"]["forward"].values()))
+    forward = save_comm["collectives_by_pass"]["forward"]["all-to-all"]
+    assert save_comm["collectives_by_pass"]["backward"]["all-to-all"] == pytest.approx(forward, rel=0.02)
+    assert full["collectives_by_pass"]["backward"]["all-to-all"] == pytest.approx(forward * 10 / 6, rel=0.02)
+    # Keeping the receive buffers costs memory: temp grows under save_comm.
+    assert save_comm["memory"]["temp"] > full["memory"]["temp"]
 
 
 def test_dry_run_all_to_all_bytes_follow_the_expert_axis(tmp_path):

@@ -1,8 +1,11 @@
-"""XLA flag profiles: composition and precedence, and every GPU flag accepted by this jaxlib."""
+"""XLA flag profiles: composition and precedence, every GPU flag accepted by this jaxlib and
+named in the DebugOptions of every supported jaxlib."""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -23,26 +26,90 @@ def _start_xla(flags: list[str]) -> subprocess.Popen:
     )
 
 
+# Expert-axis sizes that select different ragged all-to-all flags: HGX nodes hold at most 8
+# ranks; NVL72 racks up to 64, past the one-shot kernel's 32.
+EXPERT_SIZES = {"h100": (8,), "h200": (8,), "b200": (8,), "gb200": (8, 64), "gb300": (8, 64)}
+DEBUG_OPTIONS = Path(__file__).parent / "fixtures" / "xla_debug_options"
+
+
+@pytest.mark.smoke
 def test_every_gpu_profile_flag_is_accepted_by_xla():
-    # One process per profile, all at once; plus a bogus flag proving the method can fail.
-    runs = {name: _start_xla(xla_flags.profile_flags(name)) for name in XLA_PROFILES}
+    # One process per profile and expert size, all at once, with the flags for the running
+    # jaxlib (CI runs this under 0.10.2 and, as smoke, the newest jax); plus a bogus flag
+    # proving the method can fail.
+    runs = {
+        (name, size): _start_xla(xla_flags.profile_flags(name, expert_size=size))
+        for name, sizes in EXPERT_SIZES.items()
+        for size in sizes
+    }
     runs["(bogus flag)"] = _start_xla(["--xla_gpu_no_such_flag_for_maxmoe=true"])
-    results = {name: (proc.wait(timeout=120), proc.stdout.read()) for name, proc in runs.items()}
-    for name in XLA_PROFILES:
-        code, output = results[name]
-        assert code == 0, f"profile {name}: XLA rejected its flags:\n{output[-2000:]}"
+    results = {key: (proc.wait(timeout=120), proc.stdout.read()) for key, proc in runs.items()}
+    for key, (code, output) in results.items():
+        if key != "(bogus flag)":
+            assert code == 0, f"profile {key}: XLA rejected its flags:\n{output[-2000:]}"
     code, output = results["(bogus flag)"]
     assert code != 0 and "Unknown flag" in output
 
 
+def supported_jaxlibs():
+    """{version tuple: DebugOptions field names}, from the lists made for each supported jaxlib."""
+    out = {}
+    for path in sorted(DEBUG_OPTIONS.glob("jaxlib-*.txt")):
+        version = tuple(int(p) for p in re.findall(r"\d+", path.stem))
+        out[version] = set(path.read_text().split())
+    return out
+
+
+def test_every_profile_flag_is_a_debug_option_of_every_supported_jaxlib():
+    # Stricter than acceptance, which is all a process can check, and only for its own
+    # jaxlib: XLA also accepts a few old names as deprecated aliases, which are no fields.
+    jaxlibs = supported_jaxlibs()
+    assert {v[:3] for v in jaxlibs} >= {(0, 10, 2), (0, 11, 2), (0, 12, 0)}
+    assert xla_flags.jaxlib_version() in jaxlibs  # the running jaxlib has its list too
+    for version, fields in jaxlibs.items():
+        for name, sizes in EXPERT_SIZES.items():
+            for size in sizes + (1,):
+                for flag in xla_flags.profile_flags(name, expert_size=size, jaxlib=version):
+                    assert xla_flags.flag_name(flag) in fields, (version, name, size, flag)
+    # The check can fail: jaxlib 0.10's pipelining booleans are no fields from 0.11 on.
+    assert "xla_gpu_enable_pipelined_all_gather" in jaxlibs[(0, 10, 2)]
+    assert "xla_gpu_enable_pipelined_all_gather" not in jaxlibs[(0, 11, 2)]
+
+
+def test_ragged_all_to_all_transport_by_expert_size_and_jaxlib():
+    def names(size, version):
+        return {xla_flags.flag_name(f) for f in xla_flags.profile_flags("gb300", expert_size=size, jaxlib=version)}
+
+    one_shot = "xla_gpu_experimental_ragged_all_to_all_use_barrier_with_nccl"
+    device_kernel = "xla_gpu_experimental_ragged_all_to_all_use_device_kernel"
+    for version in ((0, 10, 2), (0, 11, 2), (0, 12, 0, 1)):
+        assert one_shot in names(32, version) and device_kernel not in names(32, version)
+        assert one_shot not in names(64, version)
+    assert device_kernel in names(64, (0, 11, 2)) and device_kernel not in names(64, (0, 10, 2))
+    assert xla_flags.transport_warning(64, (0, 10, 2)) and not xla_flags.transport_warning(64, (0, 11, 2))
+    assert not xla_flags.transport_warning(32, (0, 10, 2))
+
+
+def test_apply_warns_when_no_transport_fits(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(xla_flags, "backends_initialised", lambda: False)
+    monkeypatch.setattr(xla_flags, "jaxlib_version", lambda: (0, 10, 2))
+    overrides = ["xla.profile=gb300", "mesh.expert=64", "model.num_experts=64", "train.batch_size=64"]
+    config = load_config([], overrides)
+    with pytest.warns(UserWarning, match="mesh.expert=64"):
+        flags = xla_flags.apply(config)
+    assert "--xla_gpu_enable_pipelined_all_gather=true" in flags  # the 0.10 names for a 0.10 jaxlib
+
+
 @pytest.mark.parametrize("name", XLA_PROFILES)
-def test_profiles_are_documented_and_unique(name):
-    pairs = xla_flags.describe(name)
+@pytest.mark.parametrize("expert_size", [1, 64])
+def test_profiles_are_documented_and_unique(name, expert_size):
+    pairs = xla_flags.describe(name, expert_size)
     assert pairs and all(reason.strip() for _, reason in pairs)
     names = [xla_flags.flag_name(flag) for flag, _ in pairs]
     assert len(names) == len(set(names))
     assert "xla_gpu_enable_latency_hiding_scheduler" in names
-    assert all(flag.startswith("--xla_gpu_") for flag, _ in pairs)
+    assert all(flag.startswith("--xla_") for flag, _ in pairs)
 
 
 def test_nvl72_profiles_take_larger_combine_thresholds():
@@ -88,8 +155,8 @@ def test_extra_flags_win_over_profile():
 
 
 def test_absl_no_prefix_counts_as_the_same_flag():
-    composed = xla_flags.compose("--noxla_gpu_enable_pipelined_all_gather", "h100", []).split()
-    assert not any(f.startswith("--xla_gpu_enable_pipelined_all_gather") for f in composed)
+    composed = xla_flags.compose("--noxla_gpu_enable_latency_hiding_scheduler", "h100", []).split()
+    assert not any(f.startswith("--xla_gpu_enable_latency_hiding_scheduler") for f in composed)
 
 
 def test_bad_extra_flag_is_a_config_error():

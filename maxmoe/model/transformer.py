@@ -15,16 +15,40 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import ModelConfig
 from maxmoe.model.attention import MLA
 from maxmoe.model.layers import Embed, RMSNorm, SwiGLU, constrain, logical_param
 from maxmoe.model.moe import MoE
+from maxmoe.parallel.dispatch import COMM_NAMES, EXPERT_MATMUL_NAMES
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # model.compute_dtype -> jax dtype
+ATTENTION_OUT = "attention_out"  # MLA output [B, T, D] before the residual add
+
+# model.remat: what the backward pass of a scanned block keeps; the rest is recomputed from
+# the block input, which is always kept (n x D x b per layer: n tokens per device, b bytes).
+# Beyond it, per MoE layer and device (names: maxmoe.parallel.dispatch_shard):
+#   full            nothing: the whole layer runs again, both all-to-alls included
+#   save_matmuls    outputs of dots without batch dims (MLA, router, shared and dense MLPs);
+#                   ragged_dot and collectives are neither, so it recomputes the same
+#                   collectives as full
+#   save_comm       every collective's output (COMM_NAMES): the receive buffer M x D x b
+#                   (the whole buffer, which moe.buffer_factor sizes), the returned copies
+#                   n x K x D x b and the counts; no collective runs again backward
+#   save_moe        save_comm + the expert GEMMs' gate/up (2 x M x F x b) + attention output
+#   save_dots_comm  save_comm + the expert gate/up + save_matmuls' dots
+# docs/PERFORMANCE.md has the bytes per policy for the shipped configs.
+_policies = jax.checkpoint_policies
+COMM_SAVING_POLICIES = ("save_comm", "save_moe", "save_dots_comm")  # run no collective again backward
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _policies.nothing_saveable,
+    "save_matmuls": _policies.dots_with_no_batch_dims_saveable,
+    "save_comm": _policies.save_only_these_names(*COMM_NAMES),
+    "save_moe": _policies.save_only_these_names(*COMM_NAMES, *EXPERT_MATMUL_NAMES, ATTENTION_OUT),
+    "save_dots_comm": _policies.save_from_both_policies(
+        _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(*COMM_NAMES, *EXPERT_MATMUL_NAMES)
+    ),
 }
 
 
@@ -40,7 +64,8 @@ class Block(nn.Module):
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array):
         c = self.config
         attn_in = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD)
-        h = x_BTD + MLA(c, self.dtype, self.layout, name="attention")(attn_in, positions_BT).astype(x_BTD.dtype)
+        attention_BTD = MLA(c, self.dtype, self.layout, name="attention")(attn_in, positions_BT)
+        h = x_BTD + checkpoint_name(attention_BTD, ATTENTION_OUT).astype(x_BTD.dtype)
         mlp_in = RMSNorm(c.rms_norm_eps, name="mlp_norm")(h)
         if self.moe:
             y = MoE(c, self.dtype, self.layout, name="moe")(mlp_in)

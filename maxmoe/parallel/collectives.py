@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 RAGGED_A2A_IMPLS = ("native", "emulate", "balanced_stand_in")
 
@@ -26,6 +27,12 @@ RAGGED_A2A_IMPLS = ("native", "emulate", "balanced_stand_in")
 # "gpu" is what jax reports for a CUDA or ROCm backend.
 _NATIVE_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
 _EMULATED_PLATFORMS = ("cpu",)
+
+# The emulation exchanges the output offsets with an all_to_all of its own, and its backward
+# pass needs them again (to mask what it received). Saving this name
+# (maxmoe.parallel.dispatch_shard.COMM_NAMES does) keeps the emulated program, like the
+# native one, from running that exchange again in the backward pass; it costs K int32.
+EMULATED_OFFSETS = "ragged_a2a_emulated_offsets"
 
 
 def has_native_ragged_all_to_all(platform: str) -> bool:
@@ -147,7 +154,7 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
     # A tiled all_to_all sends blocks [d*K/P, (d+1)*K/P) to peer d and concatenates
     # what arrives in sender order: the slice -> peer mapping of the real collective.
     received_KM = jax.lax.all_to_all(blocks_KM, axis_name, 0, 0, tiled=True)
-    recv_offsets_K = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    recv_offsets_K = checkpoint_name(jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True), EMULATED_OFFSETS)
 
     # Receiver: the real collective writes received slices in order, so where ranges
     # overlap the last one wins; taking the highest writing slice per row matches.

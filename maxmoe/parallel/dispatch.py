@@ -34,6 +34,21 @@ every token of every source choosing the same rank, is P x n x min(K, L) rows pe
 that do not fit are not sent (later sources' highest local experts first), their copies
 contribute zero and are counted in the dropped fraction.
 
+Overlap (`moe.overlap=batch_split`): inside the shard_map each shard's n tokens run the
+strategy as two halves, rows [0, ceil(n/2)) and the rest, each with its own count exchange,
+buffer and collectives; nothing of one half feeds the other, so XLA's latency-hiding
+scheduler may run one half's all-to-all under the other half's expert GEMMs (a test reads
+the CUDA lowering for that). The shared expert, in maxmoe.model.moe, reads only the layer
+input: it has no data dependence on either half's exchange, which is what lets the scheduler
+put it between dispatch and combine; JAX cannot pin an op there itself. Results equal
+`none` whenever nothing is dropped (dropless ragged_a2a, allgather, capacity that fits);
+bounded buffers and capacity are sized per half, so each half drops on its own and the
+dropped copies may differ from `none`'s. Cost: twice the collectives, each half the size.
+Chunks (`moe.a2a_chunks` = c): each (source, rank) block of a ragged all-to-all travels as
+c slices, c x P in all; the rows and where they land do not change. XLA:GPU's one-shot
+ragged kernel gives each slice its own thread blocks, so with one slice per peer few blocks
+move all the data; NCCL's send/recv fallback instead pays per slice (maxmoe.xla_flags).
+
 When B*T is not a multiple of the number of token shards, padding tokens (expert id E,
 weight 0) fill the last shard; they are never sent and never counted.
 
@@ -50,10 +65,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from maxmoe.config import DISPATCH_STRATEGIES
+from maxmoe.config import DISPATCH_STRATEGIES, MOE_OVERLAPS
 from maxmoe.parallel import dispatch_shard
 from maxmoe.parallel.collectives import RAGGED_A2A_IMPLS, has_native_ragged_all_to_all
-from maxmoe.parallel.dispatch_shard import expert_swiglu
+from maxmoe.parallel.dispatch_shard import COMM_NAMES, EXPERT_MATMUL_NAMES, expert_swiglu
 
 # Logical axes of the routed experts' weights: the model declares its parameters with them and
 # the mesh derives the shard_map's weight specs from them.
@@ -63,7 +78,9 @@ EXPERT_WEIGHT_AXES = {
     "w_down": ("expert", "expert_mlp", "embed"),
 }
 __all__ = [
+    "COMM_NAMES",
     "DispatchPlan",
+    "EXPERT_MATMUL_NAMES",
     "EXPERT_WEIGHT_AXES",
     "expert_swiglu",
     "local_routed_experts",
@@ -125,6 +142,12 @@ class DispatchPlan:
         buffer_factor: ragged_a2a receive buffer in units of n x K rows; 0 = dropless.
         capacity_factor: capacity strategy slots per expert in units of n x K / E.
         grouped_matmul: grouped GEMM backend for ragged_a2a and allgather.
+        overlap: "none", or "batch_split": each shard's tokens run as two independent
+            halves (exchange -> experts -> exchange back), so one half's collectives can
+            hide under the other half's GEMMs. Each half has its own buffer (or capacity)
+            bound, so with bounded buffers each half drops on its own.
+        a2a_chunks: ragged_a2a: slices per (source, destination) block in each ragged
+            all-to-all (the collective gets a2a_chunks x P slices; rows land where they did).
     """
 
     mesh: Mesh
@@ -136,10 +159,16 @@ class DispatchPlan:
     buffer_factor: float = 0.0
     capacity_factor: float = 1.25
     grouped_matmul: str = "ragged_dot"
+    overlap: str = "none"
+    a2a_chunks: int = 1
 
     def __post_init__(self):
         if self.a2a_impl not in RAGGED_A2A_IMPLS:
             raise ValueError(f"unknown a2a_impl {self.a2a_impl!r}; expected one of {RAGGED_A2A_IMPLS}")
+        if self.overlap not in MOE_OVERLAPS:
+            raise ValueError(f"unknown moe.overlap {self.overlap!r}; expected one of {MOE_OVERLAPS}")
+        if self.a2a_chunks < 1:
+            raise ValueError(f"moe.a2a_chunks={self.a2a_chunks}: expected a positive integer")
 
     @property
     def token_shards(self) -> int:
@@ -186,32 +215,47 @@ class DispatchPlan:
         weights_NK = jnp.pad(weights_BTK.reshape(n_global, k), ((0, pad), (0, 0)))
         n = (n_global + pad) // self.token_shards
 
-        if self.strategy == "ragged_a2a":
-            body = functools.partial(
-                dispatch_shard.ragged_a2a_shard,
-                num_experts=num_experts,
-                buffer_rows=self.buffer_rows(n, k, num_experts),
-                expert_axis=self.expert_axis,
-                a2a_impl=self.a2a_impl,
-                backend=self.grouped_matmul,
-            )
-        elif self.strategy == "allgather":
-            body = functools.partial(
-                dispatch_shard.allgather_shard,
-                num_experts=num_experts,
-                expert_axis=self.expert_axis,
-                backend=self.grouped_matmul,
-            )
-        else:
-            body = functools.partial(
-                dispatch_shard.capacity_shard,
-                num_experts=num_experts,
-                capacity=self.capacity(n, k, num_experts),
-                expert_axis=self.expert_axis,
-            )
+        def body(x_nD, ids_nK, weights_nK, *weights):
+            # Buffers and capacity are sized for the rows this call sees (a half under batch_split).
+            rows = x_nD.shape[0]
+            if self.strategy == "ragged_a2a":
+                run = functools.partial(
+                    dispatch_shard.ragged_a2a_shard,
+                    num_experts=num_experts,
+                    buffer_rows=self.buffer_rows(rows, k, num_experts),
+                    expert_axis=self.expert_axis,
+                    a2a_impl=self.a2a_impl,
+                    backend=self.grouped_matmul,
+                    a2a_chunks=self.a2a_chunks,
+                )
+            elif self.strategy == "allgather":
+                run = functools.partial(
+                    dispatch_shard.allgather_shard,
+                    num_experts=num_experts,
+                    expert_axis=self.expert_axis,
+                    backend=self.grouped_matmul,
+                )
+            else:
+                run = functools.partial(
+                    dispatch_shard.capacity_shard,
+                    num_experts=num_experts,
+                    capacity=self.capacity(rows, k, num_experts),
+                    expert_axis=self.expert_axis,
+                )
+            return run(x_nD, ids_nK, weights_nK, *weights)
+
+        def split_body(x_nD, ids_nK, weights_nK, *weights):
+            # Two halves with no data dependence between them, so XLA's latency-hiding
+            # scheduler may run one half's collectives under the other half's expert GEMMs.
+            half = (x_nD.shape[0] + 1) // 2
+            first = body(x_nD[:half], ids_nK[:half], weights_nK[:half], *weights)
+            second = body(x_nD[half:], ids_nK[half:], weights_nK[half:], *weights)
+            return jnp.concatenate([first[0], second[0]]), first[1] + second[1], first[2] + second[2]
+
+        run_body = split_body if self.overlap == "batch_split" and n > 1 else body
 
         def shard(*args):
-            y_nD, dropped, copies = body(*args)
+            y_nD, dropped, copies = run_body(*args)
             if self.tensor_axis is not None:
                 y_nD = jax.lax.psum(y_nD, self.tensor_axis)
             dropped, copies = jax.lax.psum((dropped, copies), self.token_axes)
@@ -250,8 +294,8 @@ def make_dispatch_plan(
 
     Args:
         mesh: the device mesh; must have `expert_axis` (and `tensor_axis` if F is sharded).
-        moe_config: reads dispatch ("auto" = "ragged_a2a"), buffer_factor, capacity_factor
-            and emulate_ragged_a2a.
+        moe_config: reads dispatch ("auto" = "ragged_a2a"), buffer_factor, capacity_factor,
+            emulate_ragged_a2a, overlap and a2a_chunks.
         token_axes: mesh axis, tuple of axes, or None sharding the batch dim of activations.
             Inside the shard_map tokens are sharded over these axes (minus `tensor_axis`)
             followed by any of data / `expert_axis` not among them: slicing a replicated
@@ -306,4 +350,6 @@ def make_dispatch_plan(
         capacity_factor=moe_config.capacity_factor,
         grouped_matmul=grouped_matmul
         or (moe_config.grouped_matmul if moe_config.grouped_matmul != "auto" else "ragged_dot"),
+        overlap=moe_config.overlap,
+        a2a_chunks=moe_config.a2a_chunks,
     )

@@ -7,22 +7,66 @@ F slices when F is sharded over `tensor`; the caller reduces it), the number of 
 copies it dropped, and the number of real copies it routed. Token copies whose expert id
 is E (one past the last expert) are padding: never sent, never counted, output zero.
 
+Values a remat policy may keep carry a name (`jax.ad_checkpoint.checkpoint_name`): every
+collective's output, so that a policy saving `COMM_NAMES` runs no collective again in the
+backward pass, and the expert GEMMs' gate/up outputs (`EXPERT_MATMUL_NAMES`). The names
+reach the policy of an `nn.remat` around the dispatch's shard_map: shard_map's partial-eval
+rule hands the policy its body, and a saved value leaves the shard_map as a residual.
+
+| name | value (per shard) | bytes kept per MoE layer |
+|---|---|---|
+| moe_dispatch_counts | all-gathered per-expert counts [P, E] int32 (ragged_a2a) | 4 P E |
+| moe_dispatch_rows | rows received for the local experts [M, D]; allgather: gathered x [P n, D]; capacity: [E, C, D] | M D b, the whole buffer |
+| moe_dispatch_meta | allgather: gathered expert ids and weights | small |
+| moe_combine_rows | expert outputs back at their token copies [n K, D]; capacity: [E, C, D] | n K D b |
+| moe_expert_gate_up | the grouped gate/up GEMM's output [M, 2F], any backend (grouped_matmul.py) | 2 M F b |
+| ragged_a2a_emulated_offsets | the CPU emulation's offset exchange (collectives.py) | 4 K |
+
+The counts must be kept with the rows: the backward ragged all-to-all needs the offsets
+computed from them, and without them the count all-gather would run again.
+
 Legend: n tokens of this shard, D embed, F expert_mlp slice, E experts, L local experts,
-P expert-axis size, K top-k, M rows of a buffer, C capacity slots per expert.
+P expert-axis size, K top-k, M rows of a buffer, C capacity slots per expert, b bytes of
+the compute dtype.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from maxmoe.parallel.collectives import ragged_all_to_all_impl
-from maxmoe.parallel.grouped_matmul import grouped_swiglu
+from maxmoe.parallel.collectives import EMULATED_OFFSETS, ragged_all_to_all_impl
+from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
+
+DISPATCH_COUNTS = "moe_dispatch_counts"
+DISPATCH_ROWS = "moe_dispatch_rows"
+DISPATCH_META = "moe_dispatch_meta"
+COMBINE_ROWS = "moe_combine_rows"
+COMM_NAMES = (DISPATCH_COUNTS, DISPATCH_ROWS, DISPATCH_META, COMBINE_ROWS, EMULATED_OFFSETS)
+EXPERT_MATMUL_NAMES = (EXPERT_GATE_UP,)
 
 
 def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot"):
     """SwiGLU of each row through its group's expert; rows sorted by expert (gate and up as one GEMM)."""
     return grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend=backend)
+
+
+def chunk_slices(starts, sizes, chunks):
+    """Cut each ragged slice (start, size) into `chunks` consecutive pieces, slice-major.
+
+    Piece c of a slice holds size // chunks rows, one more for the first size % chunks
+    pieces (so pieces may be empty). Returns [len(starts) * chunks] starts and sizes; piece
+    c of slice i is entry i * chunks + c, so the pieces bound for peer p stay in the block
+    of entries a ragged all-to-all with chunks x P slices sends to p.
+    """
+    if chunks == 1:
+        return starts, sizes
+    c = jnp.arange(chunks, dtype=sizes.dtype)
+    base, extra = sizes[:, None] // chunks, sizes[:, None] % chunks
+    piece_sizes = base + (c[None, :] < extra).astype(sizes.dtype)
+    piece_starts = starts[:, None] + c[None, :] * base + jnp.minimum(c[None, :], extra)
+    return piece_starts.reshape(-1), piece_sizes.reshape(-1)
 
 
 def count_copies(expert_ids, num_experts):
@@ -69,6 +113,7 @@ def ragged_a2a_shard(
     expert_axis,
     a2a_impl,
     backend,
+    a2a_chunks=1,
 ):
     """Dropless (or buffer-bounded) dispatch with two ragged all-to-alls over `expert_axis`.
 
@@ -76,7 +121,9 @@ def ragged_a2a_shard(
     rank 0 first, then rank 1, ... (each source's rows sorted by local expert). When the
     rows bound for a rank exceed the buffer, the later sources' tail rows (their highest
     local experts) are not sent; they are dropped and counted. `a2a_impl` names the
-    ragged all-to-all (`maxmoe.parallel.collectives.RAGGED_A2A_IMPLS`).
+    ragged all-to-all (`maxmoe.parallel.collectives.RAGGED_A2A_IMPLS`). With `a2a_chunks`
+    = c > 1 each (source, rank) block travels as c consecutive slices of the same
+    collective (c x P slices, `chunk_slices`); which rows go where is unchanged.
     """
     ragged_all_to_all = ragged_all_to_all_impl(a2a_impl)
     n, k = expert_ids_nK.shape
@@ -91,21 +138,29 @@ def ragged_a2a_shard(
 
     # Everyone's per-expert counts give every offset without a second exchange.
     counts_SRL = jax.lax.all_gather(counts_E, expert_axis).reshape(ranks, ranks, local)
+    counts_SRL = checkpoint_name(counts_SRL, DISPATCH_COUNTS)
     wanted_SR = counts_SRL.sum(-1)  # rows source S wants to send to rank R
     before_SR = jnp.cumsum(wanted_SR, axis=0) - wanted_SR  # rows of earlier sources at R
     sent_SR = jnp.clip(buffer_rows - before_SR, 0, wanted_SR)
     recv_offset_SR = jnp.where(sent_SR > 0, before_SR, 0)  # start of S's rows in R's buffer
     send_start_SR = jnp.cumsum(wanted_SR, axis=1) - wanted_SR  # start of R's rows in S's sort
 
+    # The dispatch sends slices (send_start, sent) of my sort to offsets recv_offset at each
+    # rank; the combine sends them back, so its slices are the dispatch's seen from the receiver.
+    send_starts, send_sizes = chunk_slices(send_start_SR[me], sent_SR[me], a2a_chunks)
+    send_offsets, _ = chunk_slices(recv_offset_SR[me], sent_SR[me], a2a_chunks)
+    back_starts, recv_sizes = chunk_slices(recv_offset_SR[:, me], sent_SR[:, me], a2a_chunks)
+    back_offsets, _ = chunk_slices(send_start_SR[:, me], sent_SR[:, me], a2a_chunks)
     receive_MD = ragged_all_to_all(
         sorted_rows_MD,
         jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
-        send_start_SR[me],
-        sent_SR[me],
-        recv_offset_SR[me],
-        sent_SR[:, me],
+        send_starts,
+        send_sizes,
+        send_offsets,
+        recv_sizes,
         axis_name=expert_axis,
     )
+    receive_MD = checkpoint_name(receive_MD, DISPATCH_ROWS)
 
     # Regroup the received rows by local expert (stable: source-major inside an expert).
     from_me_SL = counts_SRL[:, me]
@@ -120,12 +175,13 @@ def ragged_a2a_shard(
     returned_MD = ragged_all_to_all(
         out_MD,
         jnp.zeros(sorted_rows_MD.shape, out_MD.dtype),
-        recv_offset_SR[:, me],
-        sent_SR[:, me],
-        send_start_SR[:, me],
-        sent_SR[me],
+        back_starts,
+        recv_sizes,
+        back_offsets,
+        send_sizes,
         axis_name=expert_axis,
     )
+    returned_MD = checkpoint_name(returned_MD, COMBINE_ROWS)
     y_nD = combine(returned_MD[inverse_permutation(order)], weights_nK)
     dropped = (wanted_SR[me] - sent_SR[me]).sum()
     return y_nD, dropped, counts_E.sum()
@@ -144,9 +200,9 @@ def allgather_shard(
     me = jax.lax.axis_index(expert_axis)
     local = w_gate_LDF.shape[0]
 
-    all_x_ND = jax.lax.all_gather(x_nD, expert_axis, tiled=True)
-    all_ids_NK = jax.lax.all_gather(expert_ids_nK, expert_axis, tiled=True)
-    all_weights_NK = jax.lax.all_gather(weights_nK, expert_axis, tiled=True)
+    all_x_ND = checkpoint_name(jax.lax.all_gather(x_nD, expert_axis, tiled=True), DISPATCH_ROWS)
+    all_ids_NK = checkpoint_name(jax.lax.all_gather(expert_ids_nK, expert_axis, tiled=True), DISPATCH_META)
+    all_weights_NK = checkpoint_name(jax.lax.all_gather(weights_nK, expert_axis, tiled=True), DISPATCH_META)
 
     local_ids = all_ids_NK.reshape(-1) - me * local
     local_ids = jnp.where((local_ids >= 0) & (local_ids < local), local_ids, local)
@@ -188,14 +244,14 @@ def capacity_shard(
     send_ECD = jnp.where(filled_EC[..., None], x_nD[order[source_EC] // k], jnp.zeros((), x_nD.dtype))
 
     # Tiled all_to_all splits E into P blocks of L experts: block r goes to rank r.
-    receive_ECD = jax.lax.all_to_all(send_ECD, expert_axis, 0, 0, tiled=True)
+    receive_ECD = checkpoint_name(jax.lax.all_to_all(send_ECD, expert_axis, 0, 0, tiled=True), DISPATCH_ROWS)
     rows_LMD = receive_ECD.reshape(ranks, local, capacity, d).transpose(1, 0, 2, 3).reshape(local, -1, d)
     gate = jnp.einsum("lmd,ldf->lmf", rows_LMD, w_gate_LDF, preferred_element_type=jnp.float32)
     up = jnp.einsum("lmd,ldf->lmf", rows_LMD, w_up_LDF, preferred_element_type=jnp.float32)
     hidden = (jax.nn.silu(gate) * up).astype(x_nD.dtype)
     out_LMD = jnp.einsum("lmf,lfd->lmd", hidden, w_down_LFD, preferred_element_type=jnp.float32).astype(x_nD.dtype)
     out_ECD = out_LMD.reshape(local, ranks, capacity, d).transpose(1, 0, 2, 3).reshape(-1, capacity, d)
-    back_ECD = jax.lax.all_to_all(out_ECD, expert_axis, 0, 0, tiled=True)
+    back_ECD = checkpoint_name(jax.lax.all_to_all(out_ECD, expert_axis, 0, 0, tiled=True), COMBINE_ROWS)
 
     # Copy q sits at sorted position inverse_order[q], slot inverse_order[q] - start of its expert.
     expert_M = jnp.clip(flat_ids, 0, num_experts - 1)

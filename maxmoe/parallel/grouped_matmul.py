@@ -21,9 +21,14 @@ dispatch's shard_map, on local arrays only.
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
 from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul
+
+# The name remat policies save the gate/up GEMM output [M, 2F] by, whatever the backend
+# (maxmoe.parallel.dispatch_shard.EXPERT_MATMUL_NAMES).
+EXPERT_GATE_UP = "moe_expert_gate_up"
 
 
 def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
@@ -68,7 +73,7 @@ def grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, *, bac
     """
     f = w_gate_GDF.shape[2]
     w_gate_up_GD2F = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=2)
-    gate_up_M2F = grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, backend=backend)
+    gate_up_M2F = checkpoint_name(grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, backend=backend), EXPERT_GATE_UP)
     hidden_MF = jax.nn.silu(gate_up_M2F[:, :f]) * gate_up_M2F[:, f:]
     return grouped_matmul(hidden_MF, w_down_GFD, group_sizes_G, backend=backend)
 
