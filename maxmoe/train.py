@@ -27,6 +27,7 @@ from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger
 from maxmoe.training.optim import learning_rate_schedule
 from maxmoe.training.programs import build_programs
+from maxmoe.training.run_dir import claim_run_dir
 
 
 class StopSignal:
@@ -51,6 +52,8 @@ def train(config: Config) -> int:
     run_dir = Path(config.run.dir)
     ckpt = checkpoint.Checkpointer(config, run_dir)
     ckpt.check_start()
+    # Before anything compiles: run.dir must be writable and no other job may be using it.
+    lock = claim_run_dir(run_dir, jax.process_index(), jax.process_count())
 
     try:
         # -- mesh ------------------------------------------------------------------------------
@@ -190,6 +193,7 @@ def train(config: Config) -> int:
         return 0
     finally:
         ckpt.close()  # finish pending saves before any exit, error or not
+        lock.release()
 
 
 @main_guard

@@ -138,6 +138,16 @@ def test_explicit_passes_the_config(calls):
     )
 
 
+def test_auto_with_a_coordinator_address_is_explicit(calls):
+    # No launcher in the environment: the dist.* keys alone say how to start.
+    distributed.initialize(_dist("dist.coordinator_address=10.1.2.3:5678", "dist.num_processes=4", "dist.process_id=2"))
+    assert ("wait", "10.1.2.3:5678", 300) in calls
+    assert calls[-1] == (
+        "initialize",
+        {"coordinator_address": "10.1.2.3:5678", "num_processes": 4, "process_id": 2, "initialization_timeout": 300},
+    )
+
+
 def test_process_zero_does_not_wait_for_itself(calls):
     distributed.initialize(
         _dist(
