@@ -313,9 +313,15 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
     saver.save(4, poisoned, position, force=True)
     saver.close()
 
-    ok(run(env, tmp_path / "run", *overrides))
+    out = ok(run(env, tmp_path / "run", *overrides))
     lines = {x["step"]: x for x in records(tmp_path / "run")}
     assert lines[5]["loss"] is None  # NaN is written as null
+    # The console says so on the step's line and once more at the end.
+    assert f"step      5/{STEPS}  loss nan" in out and "skipped 1 non-finite" in out
+    assert (
+        f"maxmoe: 1 of the {STEPS - 4} steps of this run had a non-finite loss or gradient norm and were skipped "
+        f"(skipped_steps in {tmp_path / 'run' / 'metrics.jsonl'})"
+    ) in out
     assert all(np.isfinite(lines[s]["loss"]) and lines[s]["grad_norm"] > 0 for s in range(6, STEPS + 1))
     assert [lines[s]["skipped_steps"] for s in range(5, STEPS + 1)] == [1, 1, 1, 1]
 

@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,22 +76,74 @@ def test_metrics_rewrite_uses_a_temporary_file_of_its_own(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "metrics.tmp"]
 
 
-def run_train(*overrides, timeout=300):
+# A short run of a small program (one dense and one MoE layer, no MTP): the run.dir is under test, not the model.
+SMALL_RUN = (
+    "data.source=synthetic",
+    "model.compute_dtype=float32",
+    "model.num_layers=2",
+    "model.mtp_num_layers=0",
+    "train.batch_size=4",
+    "train.seq_len=16",
+    "train.steps=3",
+    "train.log_every=1",
+    "train.eval_every=100000",
+)
+
+
+def train_command(*overrides):
+    return [sys.executable, "-m", "maxmoe.train", "--config", TINY, *SMALL_RUN, *overrides]
+
+
+def train_env():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+def run_train(*overrides, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "maxmoe.train", "--config", TINY, *overrides],
-        capture_output=True,
+        train_command(*overrides), capture_output=True, text=True, env=train_env(), timeout=timeout, cwd=ROOT
+    )
+
+
+def test_a_second_job_on_the_same_run_dir_stops_at_once_and_the_first_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(
+        train_command(f"run.dir={run_dir}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        env=env,
-        timeout=timeout,
+        env=train_env(),
         cwd=ROOT,
     )
+    try:
+        deadline = time.monotonic() + 300
+        while f'"pid": {first.pid}' not in (
+            (run_dir / LOCK_NAME).read_text() if (run_dir / LOCK_NAME).exists() else ""
+        ):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first job never took the lock"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)  # holds the lock, cannot finish meanwhile
+        second = run_train(f"run.dir={run_dir}")
+        first.send_signal(signal.SIGCONT)
+        out, err = first.communicate(timeout=900)
+    finally:
+        first.kill()
+    assert second.returncode == 2
+    assert second.stderr.startswith(
+        f"maxmoe: error: run.dir {run_dir} is in use by process {first.pid} on {socket.gethostname()} (since "
+    )
+    assert second.stderr.count("\n") == 1 and second.stdout == ""
+    assert first.returncode == 0, err
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3]  # every line of the first job, once
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["3"]
 
 
 def test_train_refuses_a_run_dir_under_a_file_with_one_line(tmp_path):
     blocker = tmp_path / "results"
     blocker.write_text("x")
-    result = run_train(f"run.dir={blocker / 'run'}", "data.source=synthetic")
+    result = run_train(f"run.dir={blocker / 'run'}")
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"maxmoe: error: run.dir={blocker / 'run'}: {blocker} is a file, not a folder\n"

@@ -128,6 +128,8 @@ class MetricsLogger:
             f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
             f"MFU {mfu}  ETA {_duration(eta)}"
         )
+        if r.get("skipped_steps"):  # updates left out because the loss or gradient norm was not finite
+            text += f"  skipped {r['skipped_steps']} non-finite"
         self.display.update(step, text)
 
     def close(self) -> None:
