@@ -271,9 +271,9 @@ class DistConfig:
     mode: str = _field(
         "auto",
         choices=("auto", "none", "explicit"),
-        doc="auto: detect SLURM/OpenMPI/Kubernetes; explicit: the keys below",
+        doc="auto: detect SLURM/OpenMPI/Kubernetes, or explicit when dist.coordinator_address is given",
     )
-    coordinator_address: str = _field("", doc="explicit: host:port of process 0")
+    coordinator_address: str = _field("", doc="host:port of process 0; needs num_processes and process_id")
     num_processes: int = _field(0, ge=0, doc="explicit: number of processes")
     process_id: int = _field(-1, ge=-1, doc="explicit: this process' index")
     timeout_s: int = _field(300, gt=0, doc="seconds to wait for every process to connect")
@@ -420,7 +420,11 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            doc = yaml.safe_load(p.read_text()) or {}
+            doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except OSError as e:
+            raise ConfigError(f"config file {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""
@@ -449,31 +453,40 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
     return build_config(raw)
 
 
+def _build_section(section: str, values: dict) -> Any:
+    """One section's dataclass from a dict of its keys, each type-checked."""
+    cls = _SECTION_CLASSES[section]
+    hints = typing.get_type_hints(cls)
+    values = dict(values)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for name in values:
+        if name not in known:
+            raise _unknown(f"{section}.{name}", _all_keys())
+    for name, value in list(values.items()):
+        kind = typing.get_origin(hints[name]) or hints[name]
+        values[name] = _coerce(f"{section}.{name}", value, kind, known[name].metadata)
+    return cls(**values)
+
+
 def build_config(raw: dict[str, dict]) -> Config:
     """Type-check a nested dict of sections and build a validated Config."""
-    sections = {}
-    for section, cls in _SECTION_CLASSES.items():
-        hints = typing.get_type_hints(cls)
-        values = dict(raw.get(section, {}))
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        for name in values:
-            if name not in known:
-                raise _unknown(f"{section}.{name}", _all_keys())
-        for name, value in list(values.items()):
-            kind = typing.get_origin(hints[name]) or hints[name]
-            values[name] = _coerce(f"{section}.{name}", value, kind, known[name].metadata)
-        sections[section] = cls(**values)
     for section in raw:
-        if section not in sections:
+        if section not in _SECTION_CLASSES:
             raise _unknown(str(section), list(_SECTION_CLASSES))
-    config = Config(**sections)
+    config = Config(**{section: _build_section(section, raw.get(section, {})) for section in _SECTION_CLASSES})
     validate(config)
     return config
 
 
-def validate(config: Config) -> None:
-    """Cross-field checks that need no devices (mesh sizes are checked again in maxmoe.mesh)."""
-    m, t, mesh = config.model, config.train, config.mesh
+def build_model_config(values: dict) -> ModelConfig:
+    """A validated ModelConfig from the model keys alone (a converted or saved model)."""
+    model = _build_section("model", values)
+    validate_model(model)
+    return model
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Checks among the model's own keys."""
     if m.first_k_dense > m.num_layers:
         raise ConfigError(f"model.first_k_dense={m.first_k_dense} exceeds model.num_layers={m.num_layers}")
     if m.experts_per_token > m.num_experts:
@@ -497,6 +510,12 @@ def validate(config: Config) -> None:
         )
     if m.qk_rope_head_dim % 2:
         raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks that need no devices (mesh sizes are checked again in maxmoe.mesh)."""
+    m, t, mesh = config.model, config.train, config.mesh
+    validate_model(m)
     for axis in MESH_AXES:
         size = getattr(mesh, axis)
         if size == 0 or size < -1:
@@ -519,10 +538,13 @@ def validate(config: Config) -> None:
     ps = config.run.profile_steps
     if ps and (len(ps) != 2 or not all(isinstance(s, int) and s >= 0 for s in ps) or ps[0] > ps[1]):
         raise ConfigError(f"run.profile_steps={ps!r}: expected [first, last] step numbers")
-    if config.dist.mode == "explicit" and (
-        not config.dist.coordinator_address or config.dist.num_processes < 1 or config.dist.process_id < 0
-    ):
-        raise ConfigError("dist.mode=explicit needs dist.coordinator_address, dist.num_processes and dist.process_id")
+    if m.max_position_embeddings < t.seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}"
+        )
+    if not config.run.dir.strip():
+        raise ConfigError("run.dir is empty; name the folder for checkpoints and metrics (e.g. run.dir=runs/my-run)")
+    _check_dist(config.dist)
     check_mesh_fits(config, mesh_sizes(config))
 
 
@@ -542,6 +564,38 @@ def _validate_shards(data: DataConfig) -> None:
             raise ConfigError(f"data.mixture: {folder!r} is not a folder path")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
             raise ConfigError(f"data.mixture: weight {weight!r} of {folder}: expected a positive number")
+
+
+def _check_dist(dist: DistConfig) -> None:
+    """dist.coordinator_address / num_processes / process_id: all three, under explicit or auto mode.
+
+    Under dist.mode=auto, a coordinator address makes the launch explicit (maxmoe.distributed);
+    keys that would be ignored are refused rather than dropped.
+    """
+    given = [
+        f"dist.{name}"
+        for name, unset in (("coordinator_address", ""), ("num_processes", 0), ("process_id", -1))
+        if getattr(dist, name) != unset
+    ]
+    if dist.mode == "none" and given:
+        raise ConfigError(f"dist.mode=none ignores {', '.join(given)}; remove it or set dist.mode=explicit")
+    if dist.mode == "explicit" or given:
+        missing = [
+            key
+            for key, bad in (
+                ("dist.coordinator_address", not dist.coordinator_address),
+                ("dist.num_processes", dist.num_processes < 1),
+                ("dist.process_id", dist.process_id < 0),
+            )
+            if bad
+        ]
+        if missing:
+            why = "dist.mode=explicit" if dist.mode == "explicit" else f"{', '.join(given)} (explicit launch)"
+            raise ConfigError(f"{why} also needs {', '.join(missing)}")
+        if dist.process_id >= dist.num_processes:
+            raise ConfigError(
+                f"dist.process_id={dist.process_id} is outside 0..{dist.num_processes - 1} (dist.num_processes)"
+            )
 
 
 def mesh_sizes(config: Config) -> dict[str, int]:

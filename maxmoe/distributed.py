@@ -4,7 +4,10 @@
   none      single process; nothing to do.
   explicit  jax.distributed.initialize(coordinator_address, num_processes, process_id) from
             the config (dist.coordinator_address, dist.num_processes, dist.process_id).
-  auto      initialise only when the environment shows a multi-process launch:
+  auto      with dist.coordinator_address given: as explicit (the config validates that
+            num_processes and process_id come with it, and refuses them without it, so no
+            dist.* key is ever silently ignored; under `none` they are refused too).
+            Otherwise initialise only when the environment shows a multi-process launch:
               SLURM      SLURM_NTASKS > 1 (srun sets it; JAX reads the rest of SLURM_*)
               OpenMPI    OMPI_COMM_WORLD_SIZE > 1 (mpirun; JAX reads OMPI_* itself)
               JobSet     JOBSET_NAME (Kubernetes JobSet; see examples/kubernetes)
@@ -117,13 +120,15 @@ def initialize(dist_config: DistConfig) -> None:
     """Start JAX's multi-controller runtime as `dist_config.mode` says (see the module doc)."""
     if dist_config.mode == "none":
         return
-    if dist_config.mode == "explicit":
+    if dist_config.mode == "explicit" or dist_config.coordinator_address:
         kwargs = {
             "coordinator_address": dist_config.coordinator_address,
             "num_processes": dist_config.num_processes,
             "process_id": dist_config.process_id,
         }
-        launcher = "dist.mode=explicit"
+        launcher = f"dist.mode={dist_config.mode}, dist.coordinator_address given"
+        if dist_config.mode == "explicit":
+            launcher = "dist.mode=explicit"
         many = dist_config.num_processes > 1
     elif dist_config.mode == "auto":
         launcher = detect_launch()

@@ -129,6 +129,47 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
+def indivisible(
+    name: str, logical_axes: Sequence[str | None], shape: Sequence[int], rules: dict, mesh_shape: dict[str, int]
+) -> str | None:
+    """Why the mesh cannot split array `name` of `shape` as its logical axes' rules ask, or None.
+
+    One line naming the array, the dimension, its size, the rule and the split, e.g.
+    `params/embed/embedding [260, 64]: dimension 0 (vocab) of size 260 cannot be split 8 ways
+    by mesh.rules.vocab -> data=8`. The spec is the one `logical_to_spec` builds, so whatever
+    rules, FSDP or mesh axes are in play, this is the split jax would be asked for.
+    """
+    spec = logical_to_spec(logical_axes, rules, mesh_shape)
+    for dim, (logical, axes) in enumerate(zip(logical_axes, spec)):
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = math.prod(mesh_shape[a] for a in axes)
+        if shape[dim] % ways:
+            split = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
+            return (
+                f"{name} {list(shape)}: dimension {dim} ({logical}) of size {shape[dim]} cannot be split "
+                f"{ways} ways by mesh.rules.{logical} -> {split}; change that rule or the mesh"
+            )
+    return None
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def check_divisible(boxed_tree: Any, rules: dict, mesh_shape: dict[str, int]) -> None:
+    """ConfigError naming the first array of a logically-boxed tree that the mesh cannot split as ruled."""
+    specs = nn.get_partition_spec(boxed_tree)
+    is_spec = lambda x: isinstance(x, PartitionSpec) or x is None  # noqa: E731
+    named_specs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    for (path, spec), leaf in zip(named_specs, jax.tree.leaves(nn.unbox(boxed_tree)), strict=True):
+        if spec:
+            why = indivisible(_path_name(path), tuple(spec), leaf.shape, rules, mesh_shape)
+            if why:
+                raise ConfigError(why)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
     """A mesh with its rules: what the model and the train step use to place arrays.
@@ -176,8 +217,19 @@ class Layout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def check_array(self, name: str, logical_axes: Sequence[str | None], shape: Sequence[int]) -> None:
+        """ConfigError (one line) when the mesh cannot split an array of `shape` as the rules ask."""
+        why = indivisible(name, logical_axes, shape, self.rules, self.shape)
+        if why:
+            raise ConfigError(why)
+
     def tree_shardings(self, boxed_tree) -> Any:
-        """NamedShardings for a tree of flax-boxed variables (unboxed leaves are replicated)."""
+        """NamedShardings for a tree of flax-boxed variables (unboxed leaves are replicated).
+
+        Every array is checked first (`check_divisible`): a rule that splits a dimension the
+        mesh does not divide is a one-line ConfigError here, before anything compiles.
+        """
+        check_divisible(boxed_tree, self.rules, self.shape)
         logical = nn.get_partition_spec(boxed_tree)
         return jax.tree.map(
             lambda spec: self.sharding(tuple(spec) if spec is not None else ()),

@@ -8,7 +8,8 @@
 Shapes: every (data, expert, tensor) whose product is N (or the `--mesh` ones), kept when
 the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) and
 `mesh.build_mesh` accepts it (expert x tensor inside one scale-up domain, unless
-`mesh.allow_cross_domain`).
+`mesh.allow_cross_domain`), and every sharding rule divides the dimensions it splits
+(`mesh.check_divisible`); the others are listed as skipped, each with its one-line reason.
 
 --dry-run: N fake CPU devices; one training step is compiled ahead of time per shape and
 described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
@@ -41,7 +42,9 @@ from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.config import MESH_AXES, Config, ConfigError, UserError
 from maxmoe.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
-from maxmoe.mesh import build_layout, build_mesh, resolve_shape
+from maxmoe.mesh import Layout, build_layout, build_mesh, check_divisible, resolve_rules, resolve_shape
+from maxmoe.training import step as step_lib
+from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
 from maxmoe.training.progress import ProgressDisplay
 
@@ -89,8 +92,15 @@ def mesh_name(sizes: dict[str, int]) -> str:
 
 
 def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | None = None):
-    """(kept, skipped): kept = [(sizes, mesh)], skipped = [(sizes, reason)], in enumeration order."""
+    """(kept, skipped): kept = [(sizes, mesh)], skipped = [(sizes, reason)], in enumeration order.
+
+    A shape is skipped, with its one-line reason, when the model or batch does not divide, the
+    mesh does not fit the scale-up domains, or a sharding rule splits a dimension of the state or
+    the batch that the shape does not divide (`mesh.check_divisible`): all before compiling.
+    """
     kept, skipped = [], []
+    boxed = step_lib.abstract_state(config, make_optimizer(config.train), boxed=True)  # the same for every shape
+    batch = (config.train.batch_size, config.train.seq_len + 1)
     for sizes in meshes or factorisations(len(devices)):
         shaped = with_mesh(config, sizes)
         try:
@@ -98,6 +108,9 @@ def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | Non
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 mesh = build_mesh(shaped, devices)
+            layout = Layout(mesh, resolve_rules(shaped))
+            layout.check_array("the token batch", ("batch", None), batch)
+            check_divisible(boxed, layout.rules, layout.shape)
         except ConfigError as e:
             skipped.append((sizes, str(e)))
             continue

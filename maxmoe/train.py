@@ -10,7 +10,6 @@ explicit shardings; loop (log, evaluate, checkpoint); save at the end or on SIGT
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,19 +25,19 @@ from maxmoe.mesh import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger
 from maxmoe.training.optim import learning_rate_schedule
+from maxmoe.training.preemption import StopSignal
 from maxmoe.training.programs import build_programs
+from maxmoe.training.run_dir import claim_run_dir
 
 
-class StopSignal:
-    """Turns SIGTERM/SIGINT into a request to save and stop after the current step."""
+def host_value(x) -> np.ndarray:
+    """A replicated array on the host, read from this process's own copy (with several processes,
+    `jax.device_get` refuses arrays that span devices of other processes; every copy is equal)."""
+    return np.asarray(x.addressable_data(0))
 
-    def __init__(self):
-        self.requested = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame):  # noqa: ARG002 - signal API
-        self.requested = signal.Signals(signum).name
+def host_scalar(x) -> int:
+    return int(host_value(x))
 
 
 def train(config: Config) -> int:
@@ -51,6 +50,9 @@ def train(config: Config) -> int:
     run_dir = Path(config.run.dir)
     ckpt = checkpoint.Checkpointer(config, run_dir)
     ckpt.check_start()
+    # Before anything compiles: run.dir must be writable and no other job may be using it.
+    lock = claim_run_dir(run_dir, jax.process_index(), jax.process_count())
+    stop = None
 
     try:
         # -- mesh ------------------------------------------------------------------------------
@@ -68,7 +70,8 @@ def train(config: Config) -> int:
             )
 
         # -- state: init or restore; the compiled steps ----------------------------------------
-        stop = StopSignal()  # from here on, SIGTERM/SIGINT mean "save and stop after this step"
+        # From here on, SIGTERM/SIGINT mean "save and stop after this step" (the same step on every process).
+        stop = StopSignal(jax.process_count())
         programs = build_programs(config, layout)
         rng = jax.random.key(config.train.seed)
         restored = ckpt.restore_latest(programs.abstract_state)
@@ -97,7 +100,7 @@ def train(config: Config) -> int:
                     config, split="eval", process_index=jax.process_index(), process_count=jax.process_count()
                 )
             ]
-            return float(np.mean(jax.device_get(losses)))
+            return float(np.mean([host_value(x) for x in losses]))
 
         # -- loop ------------------------------------------------------------------------------
         tokens_per_step = t.batch_size * t.seq_len
@@ -130,6 +133,7 @@ def train(config: Config) -> int:
         compile_start = time.perf_counter()
         train_step = train_step.lower(state, batch).compile()
         logger.message(f"maxmoe: compiled in {time.perf_counter() - compile_start:.1f}s")
+        skipped_before = host_scalar(state.skipped)
         last_time, last_step, pending = time.perf_counter(), start, None
         step = start
         while step < t.steps:
@@ -140,7 +144,7 @@ def train(config: Config) -> int:
             if profile and step == profile[1] + 1:
                 jax.profiler.stop_trace()
             if step % t.log_every == 0 or step == t.steps:
-                host = jax.device_get(metrics)
+                host = {k: host_value(v) for k, v in metrics.items()}
                 now = time.perf_counter()
                 step_time = (now - last_time) / (step - last_step)
                 last_time, last_step = now, step
@@ -168,7 +172,7 @@ def train(config: Config) -> int:
                 last_time = time.perf_counter()  # evaluation is not training time
             # Read the previous step's counter so one step stays in flight. Skipped steps left the
             # parameters as the last finite step made them, so the state saved here is a good one.
-            if pending is not None and int(pending) >= t.max_bad_steps:
+            if pending is not None and host_scalar(pending) >= t.max_bad_steps:
                 ckpt.save(step, state, train_data.get_state(), force=True)
                 ckpt.close()
                 logger.close()
@@ -181,15 +185,25 @@ def train(config: Config) -> int:
                     )
                 return 1
             pending = metrics["bad_steps"]
-            ckpt.save(step, state, train_data.get_state(), force=step == t.steps or stop.requested is not None)
-            if stop.requested:
+            stopping = stop.should_stop(step)
+            ckpt.save(step, state, train_data.get_state(), force=step == t.steps or stopping)
+            if stopping:
                 ckpt.wait()
                 logger.message(f"maxmoe: {stop.requested}: saved step {step} in {ckpt.directory}; exiting")
                 break
+        skipped = host_scalar(state.skipped) - skipped_before
+        if skipped:
+            logger.message(
+                f"maxmoe: {skipped} of the {step - start} steps of this run had a non-finite loss or gradient norm "
+                f"and were skipped (skipped_steps in {logger.path})"
+            )
         logger.close()
         return 0
     finally:
         ckpt.close()  # finish pending saves before any exit, error or not
+        lock.release()
+        if stop is not None:
+            stop.restore()
 
 
 @main_guard

@@ -11,8 +11,8 @@ One straight 8-step run (checkpoints at 4 and 8) is the reference for everything
 - SIGTERM -> exit 0 and a checkpoint; resume on data=2,expert=2,tensor=2;
 - a NaN in one embedding row used only by step 5's batch -> step 5 skipped, state unchanged;
 - NaN parameters from checkpoint.init_from -> stop after train.max_bad_steps, exit 1, one line;
-- resume=false over a run, a garbled latest step, a checkpoint of another model -> exit 2, one line,
-  nothing touched.
+- resume=false over a run, a garbled latest step, a checkpoint of another model or of one with a
+  part more (MTP) -> exit 2, one line naming the difference, nothing touched.
 """
 
 import hashlib
@@ -38,6 +38,7 @@ from maxmoe.training import checkpoint
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
+from maxmoe.training.run_dir import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -135,10 +136,11 @@ def copy_run(source, target, keep_steps) -> Path:
 
 
 def snapshot(folder) -> dict[str, str]:
+    """Hashes of every file, but the run.dir lock: each job writes its pid there, even one that stops at once."""
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(Path(folder).rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != LOCK_NAME
     }
 
 
@@ -311,9 +313,15 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
     saver.save(4, poisoned, position, force=True)
     saver.close()
 
-    ok(run(env, tmp_path / "run", *overrides))
+    out = ok(run(env, tmp_path / "run", *overrides))
     lines = {x["step"]: x for x in records(tmp_path / "run")}
     assert lines[5]["loss"] is None  # NaN is written as null
+    # The console says so on the step's line and once more at the end.
+    assert f"step      5/{STEPS}  loss nan" in out and "skipped 1 non-finite" in out
+    assert (
+        f"maxmoe: 1 of the {STEPS - 4} steps of this run had a non-finite loss or gradient norm and were skipped "
+        f"(skipped_steps in {tmp_path / 'run' / 'metrics.jsonl'})"
+    ) in out
     assert all(np.isfinite(lines[s]["loss"]) and lines[s]["grad_norm"] > 0 for s in range(6, STEPS + 1))
     assert [lines[s]["skipped_steps"] for s in range(5, STEPS + 1)] == [1, 1, 1, 1]
 
@@ -375,7 +383,7 @@ def test_load_params_restores_onto_another_mesh(straight, tmp_path):
     assert_trees_equal(checkpoint.load_params(str(tmp_path / "converted"), programs.abstract_state), loaded)
 
 
-@pytest.mark.parametrize("case", ["resume_off", "garbled", "truncated", "other_model"])
+@pytest.mark.parametrize("case", ["resume_off", "garbled", "truncated", "other_model", "fewer_parts"])
 def test_a_run_dir_that_cannot_be_resumed_exits_2_and_touches_nothing(straight, env, tmp_path, case):
     run_dir = copy_run(straight, tmp_path / "run", keep_steps=[4, 8])
     latest = run_dir / "checkpoints" / "8"
@@ -394,9 +402,13 @@ def test_a_run_dir_that_cannot_be_resumed_exits_2_and_touches_nothing(straight, 
             if path.is_file():
                 path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
         words.append("cannot be read")
-    else:
+    elif case == "other_model":
         overrides = ["model.hidden_size=32"]
         words += ["does not fit this model", "model.hidden_size: 64 there, 32 here"]
+    else:  # a model with a part less (no MTP): named, not blamed on an unreadable checkpoint
+        overrides = ["model.mtp_num_layers=0"]
+        words += ["does not fit this model: it has params/mtp_0/", "which this model lacks"]
+        words += ["model.mtp_num_layers: 1 there, 0 here"]
     before = snapshot(run_dir)
     one_error_line(run(env, run_dir, *overrides), *words)
     assert snapshot(run_dir) == before

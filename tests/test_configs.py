@@ -132,6 +132,18 @@ def test_bad_values_name_key_and_value(override, fragments):
         (["model.topk_groups=5", "model.num_expert_groups=4"], ["model.topk_groups=5", "model.num_expert_groups=4"]),
         (["model.qk_rope_head_dim=7"], ["model.qk_rope_head_dim=7"]),
         (["mesh.data=-1", "mesh.expert=-1"], ["mesh.data", "mesh.expert", "-1"]),
+        (["train.seq_len=512"], ["train.seq_len=512", "model.max_position_embeddings=256"]),
+        (["run.dir="], ["run.dir is empty"]),
+        (["run.dir=  "], ["run.dir is empty"]),
+        # dist.* keys are never silently ignored: an address makes the launch explicit and needs the rest.
+        (["dist.coordinator_address=10.0.0.1:1234"], ["dist.coordinator_address", "dist.num_processes", "process_id"]),
+        (["dist.num_processes=2", "dist.process_id=0"], ["dist.num_processes", "needs dist.coordinator_address"]),
+        (["dist.mode=none", "dist.process_id=1"], ["dist.mode=none ignores dist.process_id"]),
+        (["dist.mode=explicit", "dist.num_processes=2"], ["dist.mode=explicit", "dist.coordinator_address"]),
+        (
+            ["dist.coordinator_address=h:1", "dist.num_processes=2", "dist.process_id=2"],
+            ["dist.process_id=2", "0..1"],
+        ),
     ],
 )
 def test_cross_field_checks(overrides, fragments):
@@ -196,6 +208,32 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  hidden_size: [1,\n")
     assert "bad.yaml" in error_of([bad])
+
+
+def test_unreadable_and_non_utf8_config_files(tmp_path, monkeypatch):
+    latin = tmp_path / "latin.yaml"
+    text = "train:\n  lr: 0.1  # caf\xe9\n".encode("latin-1")
+    latin.write_bytes(text)
+    assert error_of([latin]) == f"config file {latin}: not UTF-8 text (byte {text.index(0xE9)})"
+    locked = tmp_path / "locked.yaml"
+    locked.write_text("train:\n  lr: 0.1\n")
+    if os.geteuid() == 0:  # root reads any file whatever its mode: make the read fail as it would
+        real = Path.read_text
+
+        def refuse(path, *args, **kwargs):
+            if path == locked:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", refuse)
+    else:
+        locked.chmod(0)
+    assert error_of([locked]) == f"config file {locked}: cannot read it (Permission denied)"
+
+
+def test_an_address_alone_with_its_count_and_id_is_an_explicit_launch():
+    dist = load_config([], ["dist.coordinator_address=h:1", "dist.num_processes=2", "dist.process_id=1"]).dist
+    assert (dist.mode, dist.coordinator_address, dist.num_processes, dist.process_id) == ("auto", "h:1", 2, 1)
 
 
 def test_config_is_frozen():

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -18,9 +19,11 @@ pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from maxmoe.config import ModelConfig, UserError, load_config  # noqa: E402
-from maxmoe.convert import fp8, hf  # noqa: E402
+from maxmoe.convert import fp8, hf, hf_export  # noqa: E402
 from maxmoe.convert.__main__ import main as convert_main  # noqa: E402
+from maxmoe.convert.hf_config import hf_config_from_model  # noqa: E402
 from maxmoe.model import transformer  # noqa: E402
+from maxmoe.training import checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "hf_tiny_deepseek_v3"
@@ -113,7 +116,7 @@ def test_scratch_memory_maps_give_the_same_checkpoint(imported, tmp_path, monkey
 
 def test_sharded_bfloat16_export_reimports(imported, tmp_path):
     _, model, variables = imported
-    names = hf.export_hf(model, variables, tmp_path / "hf", dtype="bfloat16", shard_bytes=40_000)
+    names = hf_export.export_hf(model, variables, tmp_path / "hf", dtype="bfloat16", shard_bytes=40_000)
     assert len(names) > 1 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     m, again = hf.import_hf(tmp_path / "hf", dtype="bfloat16")
     assert m == model
@@ -126,7 +129,7 @@ def test_plain_query_no_shared_experts_no_mtp_round_trip(tmp_path):
     m = ModelConfig(q_lora_rank=0, num_shared_experts=0, mtp_num_layers=0, rope_scaling="none", num_layers=2)
     rng = np.random.default_rng(1)  # random values for every slot; the model itself is not run
     variables = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), transformer.abstract_variables(m))
-    hf.export_hf(m, variables, tmp_path / "hf", dtype="float32")
+    hf_export.export_hf(m, variables, tmp_path / "hf", dtype="float32")
     assert "model.layers.0.self_attn.q_proj.weight" in load_file(str(tmp_path / "hf" / "model.safetensors"))
     m2, again = hf.import_hf(tmp_path / "hf")
     assert m2 == m
@@ -223,7 +226,7 @@ def test_release_style_config_keys():
     m = hf.model_config_from_hf(release)
     assert (m.num_layers, m.first_k_dense, m.num_experts, m.num_expert_groups, m.topk_groups) == (61, 3, 256, 8, 4)
     assert (m.rope_scaling, m.rope_factor, m.rope_original_max_position, m.mtp_num_layers) == ("yarn", 40.0, 4096, 1)
-    assert hf.model_config_from_hf(hf.hf_config_from_model(m, "bfloat16")) == m
+    assert hf.model_config_from_hf(hf_config_from_model(m, "bfloat16")) == m
     assert hf.model_config_from_hf({**release, "q_lora_rank": None, "rope_scaling": None}).q_lora_rank == 0
     with pytest.raises(UserError, match="rope type 'linear'"):
         hf.model_config_from_hf({**release, "rope_scaling": {"type": "linear", "factor": 2}})
@@ -299,3 +302,118 @@ def test_train_runs_from_imported_weights(imported, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert (run_dir / "config.yaml").is_file()
     shutil.rmtree(run_dir)
+
+
+def _fixture_config(drop=(), **updates) -> dict:
+    config = {**json.loads((FIXTURE / "config.json").read_text()), **updates}
+    return {k: v for k, v in config.items() if k not in drop}
+
+
+@pytest.mark.parametrize(
+    "config_json, message",
+    [
+        ([1, 2], "config.json: expected a JSON object of config keys, not a list"),
+        (
+            _fixture_config(drop=("rope_parameters",), rope_scaling="yarn"),
+            "config.json: 'rope_scaling' is 'yarn', expected an object",
+        ),
+        (
+            _fixture_config(rope_parameters={**_fixture_config()["rope_parameters"], "factor": "forty"}),
+            "config.json rope_parameters: 'factor' is 'forty', expected a number",
+        ),
+        (_fixture_config(num_hidden_layers="3"), "config.json: 'num_hidden_layers' is '3', expected an integer"),
+        (_fixture_config(quantization_config="fp8"), "weight_block_size 'fp8': expected [rows, columns]"),
+    ],
+)
+def test_malformed_config_json_is_one_line_exit_2(config_json, message, tmp_path, capsys):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config_json))
+    shutil.copy(FIXTURE / "model.safetensors", folder / "model.safetensors")
+    assert convert_main(["from-hf", "--hf-dir", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("maxmoe: error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def _run_convert(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "maxmoe.convert", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+
+
+def test_to_hf_errors_name_the_option_and_print_nothing_else(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _run_convert("to-hf", "--checkpoint", str(empty), "--out", str(tmp_path / "hf"))
+    assert result.returncode == 2
+    assert result.stderr == f"maxmoe: error: --checkpoint {empty}: no complete checkpoint step in {empty}\n"
+    assert not (tmp_path / "hf").exists()
+
+
+# Runs a command and prints its peak RSS. A small parent of its own, because Linux carries a
+# process's peak across fork + exec: measured straight from pytest, the child would report
+# pytest's size.
+_PEAK_RSS = """
+import resource, subprocess, sys
+code = subprocess.run(sys.argv[1:]).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * (1 if sys.platform == "darwin" else 1024))
+sys.exit(code)
+"""
+
+
+def _max_rss_bytes(*args) -> tuple[int, subprocess.CompletedProcess]:
+    """Peak resident memory of `python -m maxmoe.convert ARGS` in bytes, and the finished run."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, sys.executable, "-m", "maxmoe.convert", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
+    return int(result.stdout.strip().splitlines()[-1]), result
+
+
+def test_to_hf_streams_without_holding_the_model(imported, tmp_path):
+    # ~400 MB of float32 parameters, nearly all in 2 x 64 experts of 512 x 512 x 3.
+    m = ModelConfig(hidden_size=512, moe_mlp_dim=512, num_experts=64, num_layers=3, first_k_dense=1, mtp_num_layers=0)
+    flat = traverse_util.flatten_dict(transformer.abstract_variables(m))
+    value = {key: 0.5 * (i + 1) for i, key in enumerate(flat)}  # each array one constant: cheap, checkable
+    model_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in flat.values())
+    assert model_bytes > 380e6
+    variables = traverse_util.unflatten_dict({k: np.full(s.shape, value[k], s.dtype) for k, s in flat.items()})
+    checkpoint.save_params(tmp_path / "big", variables["params"], variables["router"], hf.full_config(m))
+    del variables
+
+    # Oracle for the baseline: the same command on the tiny fixture (imports, runtime, no model to speak of).
+    baseline, small = _max_rss_bytes("to-hf", "--checkpoint", str(imported[0]), "--out", str(tmp_path / "small"))
+    peak, big = _max_rss_bytes(
+        "to-hf", "--checkpoint", str(tmp_path / "big"), "--out", str(tmp_path / "hf"), "--dtype", "float32"
+    )
+    assert small.returncode == 0 and big.returncode == 0, (small.stderr, big.stderr)
+    assert big.stderr == ""  # no warnings either
+    print(
+        f"to-hf max RSS: {peak / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model; baseline {baseline / 1e6:.0f} MB"
+    )
+    # Holding the model would add at least its size; streaming adds about one tensor (1 MiB here)
+    # plus the reader's caches.
+    assert peak - baseline < model_bytes / 8 and peak < model_bytes
+
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="np") as exported:
+        assert len(list(exported.keys())) == len(hf.hf_tensors(m))
+        for name, key in [
+            ("model.layers.2.mlp.experts.63.down_proj.weight", ("params", "moe_layers", "moe", "w_down")),
+            ("model.layers.1.mlp.experts.0.gate_proj.weight", ("params", "moe_layers", "moe", "w_gate")),
+            ("model.layers.2.mlp.gate.e_score_correction_bias", ("router", "moe_layers", "moe", "router", "bias")),
+            ("lm_head.weight", ("params", "head")),
+        ]:
+            tensor = exported.get_tensor(name)
+            assert tensor.dtype == np.float32 and (tensor == value[key]).all(), name

@@ -243,7 +243,9 @@ def test_bad_data_raises_one_line_user_errors(tmp_path):
     cases = {
         "missing folder": config(source="shards", path=tmp_path / "nowhere"),
         "not a token folder": config(source="shards", path=tmp_path / "in"),
-        "windows too long": config("train.seq_len=5000", source="shards", path=out),
+        "windows too long": config(
+            "train.seq_len=5000", "model.max_position_embeddings=8192", source="shards", path=out
+        ),
         "eval fraction": config(source="stdlib", eval_fraction=1.5, cache_dir=tmp_path / "c"),
     }
     for why, cfg in cases.items():
@@ -375,3 +377,50 @@ def test_mixture_sources_read_each_folder_in_order():
 def test_mixture_config_errors(overrides, match):
     with pytest.raises(UserError, match=match):
         load_config(overrides=overrides)
+
+
+def test_shard_files_must_lie_inside_their_folder(tmp_path):
+    out = tmp_path / "tokens"
+    data_main(["prepare", "--input", write_corpus(tmp_path / "in", ["abc " * 50, "def " * 50]), "--out", str(out)])
+    meta = json.loads((out / "meta.json").read_text())
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes((out / "train.bin").read_bytes())  # a file that would otherwise read fine
+    for name in ("../outside.bin", str(outside), "sub/train.bin", "..", ""):
+        splits = {**meta["splits"], "train": {**meta["splits"]["train"], "file": name}}
+        (out / "meta.json").write_text(json.dumps({**meta, "splits": splits}))
+        with pytest.raises(UserError, match="expected a file name inside the folder") as error:
+            data.make_dataset(config(source="shards", path=out))
+        assert repr(name) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, monkeypatch):
+    out = tmp_path / "tokens"
+    data_main(["prepare", "--input", write_corpus(tmp_path / "in", ["abc " * 50, "def " * 50]), "--out", str(out)])
+    cfg = config("train.seq_len=8", source="shards", path=out)
+    assert next(data.make_dataset(cfg)).max() < 260
+    tokens = np.fromfile(out / "train.bin", dtype="<u2")
+    tokens[17] = 300  # meta.json still says vocab_size 260: the embedding lookup would give NaN
+    tokens.tofile(out / "train.bin")
+    with pytest.raises(UserError) as error:
+        data.make_dataset(cfg)
+    assert str(error.value) == (
+        f"{out / 'train.bin'}: token id 300 is outside the vocabulary of 260 (meta.json vocab_size); "
+        f"the folder was written with another tokenizer or is damaged"
+    )
+    # The scan runs once per file: later loads (every evaluation reopens its split) reuse it.
+    scans = []
+    real = np.memmap.max
+    monkeypatch.setattr(np.memmap, "max", lambda self, *a, **k: scans.append(1) or real(self, *a, **k))
+    for _ in range(3):
+        data.load_tokens(out, "eval")
+    assert len(scans) == 1  # the eval file is small: one block
+
+
+def test_an_unwritable_cache_dir_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UserError) as error:
+        data.make_dataset(config(source="stdlib", cache_dir=blocker / "cache"))
+    message = str(error.value)
+    assert message.startswith(f"data.cache_dir={blocker / 'cache'}: cannot build the stdlib token cache (")
+    assert "\n" not in message

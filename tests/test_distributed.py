@@ -3,10 +3,14 @@
 No real cluster: jax.distributed.initialize is replaced by a recorder.
 """
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import jax
 import pytest
@@ -138,6 +142,16 @@ def test_explicit_passes_the_config(calls):
     )
 
 
+def test_auto_with_a_coordinator_address_is_explicit(calls):
+    # No launcher in the environment: the dist.* keys alone say how to start.
+    distributed.initialize(_dist("dist.coordinator_address=10.1.2.3:5678", "dist.num_processes=4", "dist.process_id=2"))
+    assert ("wait", "10.1.2.3:5678", 300) in calls
+    assert calls[-1] == (
+        "initialize",
+        {"coordinator_address": "10.1.2.3:5678", "num_processes": 4, "process_id": 2, "initialization_timeout": 300},
+    )
+
+
 def test_process_zero_does_not_wait_for_itself(calls):
     distributed.initialize(
         _dist(
@@ -253,3 +267,75 @@ def test_two_cpu_processes_really_initialise_and_reduce():
     results = sorted(line.split()[1:] for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
     assert all(p.returncode == 0 for p in procs), outputs
     assert results == [["0", "2", "3.0"], ["1", "2", "3.0"]]
+
+
+def _train_process(port: int, index: int, run_dir: Path, env: dict) -> subprocess.Popen:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "maxmoe.train",
+            "--config",
+            str(root / "configs" / "tiny.yaml"),
+            f"run.dir={run_dir}",
+            "data.source=synthetic",
+            "model.compute_dtype=float32",
+            "train.batch_size=4",
+            "train.seq_len=16",
+            "train.steps=1000",  # far more than it will run: the signal ends it
+            "train.log_every=1",
+            "train.eval_every=100000",
+            # A small program: one dense and one MoE layer, no MTP (the loop is under test, not the model).
+            "model.num_layers=2",
+            "model.mtp_num_layers=0",
+            "mesh.data=2",
+            "mesh.fsdp=true",  # parameters sharded over both processes: each writes its part of a checkpoint
+            f"dist.coordinator_address=127.0.0.1:{port}",
+            "dist.num_processes=2",
+            f"dist.process_id={index}",
+            "dist.timeout_s=120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=root,
+    )
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_saves_it(tmp_path):
+    """Preemption notice on one host only: JAX's sync point makes every process stop at one step."""
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",) + LAUNCH_VARS}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = [_train_process(port, i, run_dir, env) for i in range(2)]
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 900
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            assert time.monotonic() < deadline, "no training step within 15 minutes"
+            time.sleep(0.2)
+        signalled_at = len(metrics.read_text().splitlines())
+        procs[1].send_signal(signal.SIGTERM)  # the worker, not the process that logs and coordinates
+        outputs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    stopped = steps[-1]
+    assert steps == list(range(1, stopped + 1)) and stopped >= signalled_at
+    assert (
+        f"maxmoe: SIGTERM (all 2 processes stop after the same step): saved step {stopped} in "
+        f"{run_dir / 'checkpoints'}; exiting"
+    ) in outputs[0][0]
+    # One complete step folder, written by both processes: each one's own OCDBT part is in it.
+    folders = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert folders == [str(stopped)], folders
+    state = run_dir / "checkpoints" / str(stopped) / "state"
+    assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
+    position = json.loads((run_dir / "checkpoints" / str(stopped) / "data" / "metadata").read_text())
+    assert position == {"split": "train", "step": stopped}

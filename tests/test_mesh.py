@@ -3,6 +3,7 @@
 import itertools
 import random
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -10,8 +11,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxmoe.config import ConfigError, load_config
-from maxmoe.mesh import build_mesh, logical_to_spec, resolve_rules, resolve_shape
+from maxmoe.mesh import build_layout, build_mesh, check_divisible, logical_to_spec, resolve_rules, resolve_shape
+from maxmoe.training import step as step_lib
+from maxmoe.training.optim import make_optimizer
+from maxmoe.training.programs import build_programs
 
+REPO = Path(__file__).resolve().parents[1]
 DOMAIN = 4
 # tensor=8 needs model sizes divisible by 8 (the tiny default has 4 heads and 260 tokens).
 MODEL_FOR_8 = ["model.num_heads=8", "model.vocab_size=256"]
@@ -201,3 +206,53 @@ def test_partial_rules_merge_over_the_defaults():
     assert rules["heads"] == tuple(DEFAULT_RULES["heads"])
     flow = load_config([], ["mesh.rules={vocab: []}"])
     assert resolve_rules(flow)["vocab"] == () and resolve_rules(flow)["expert"] == ("expert",)
+
+
+def _boxed_state(config):
+    return step_lib.abstract_state(config, make_optimizer(config.train), boxed=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        # A rule that puts the 260-token vocabulary on data=8.
+        (
+            ["mesh.data=8", "mesh.rules.vocab=[data]"],
+            "params/embed/embedding [260, 64]: dimension 0 (vocab) of size 260 cannot be split 8 ways by "
+            "mesh.rules.vocab -> data=8; change that rule or the mesh",
+        ),
+        # The virtual fsdp axis: embed goes to data only when mesh.fsdp is on.
+        (
+            ["mesh.data=8", "mesh.fsdp=true", "model.hidden_size=36"],
+            "params/dense_layers/attention/w_k_rope [1, 36, 8]: dimension 1 (embed) of size 36 cannot be split "
+            "8 ways by mesh.rules.embed -> data=8; change that rule or the mesh",
+        ),
+        # The token batch: its rows split over the axes of mesh.rules.batch.
+        (
+            ["mesh.data=2", "mesh.tensor=4", "mesh.rules.batch=[data, tensor]", "train.batch_size=12"],
+            "the token batch [12, 129]: dimension 0 (batch) of size 12 cannot be split 8 ways by "
+            "mesh.rules.batch -> data=2 x tensor=4; change that rule or the mesh",
+        ),
+    ],
+)
+def test_a_rule_the_mesh_cannot_divide_is_one_line_before_compiling(overrides, line):
+    config = load_config([], overrides)
+    with pytest.raises(ConfigError) as error:
+        build_programs(config, build_layout(config))  # builds shardings only; nothing is compiled
+    assert str(error.value) == line
+    fine = load_config([], overrides[:-1])  # without the last override everything divides
+    build_programs(fine, build_layout(fine))
+
+
+def test_the_671b_rules_on_1024_devices_name_the_latent_that_does_not_divide():
+    # No devices needed: the check reads only the mesh sizes (data=16 x expert=64 = 1,024).
+    config = load_config(
+        [str(REPO / "configs" / "deepseek_v3_671b.yaml"), str(REPO / "configs" / "mesh_256_gb300.yaml")]
+    )
+    boxed = _boxed_state(config)
+    with pytest.raises(ConfigError) as error:
+        check_divisible(boxed, resolve_rules(config), {"data": 16, "expert": 64, "tensor": 1})
+    assert "(kv_lora) of size 512 cannot be split 1024 ways by mesh.rules.kv_lora -> data=16 x expert=64" in str(
+        error.value
+    )
+    check_divisible(boxed, resolve_rules(config), {"data": 4, "expert": 64, "tensor": 1})  # the shipped 256-GPU mesh

@@ -78,3 +78,16 @@ def test_metrics_of_other_processes_stay_silent(tmp_path):
     logger.log({"step": 1, "loss": 1.0})
     logger.close()
     assert out.getvalue() == "" and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_skipped_steps_show_on_the_console(tmp_path):
+    out = io.StringIO()
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=300, stream=out)
+    record = {"tokens_per_s": 1000.0, "mfu": None, "step_time_s": 0.1}
+    logger.log({"step": 10, "loss": 6.5, "skipped_steps": 0, **record})
+    logger.log({"step": 20, "loss": float("nan"), "skipped_steps": 3, **record})
+    logger.close()
+    assert out.getvalue().splitlines() == [
+        "step     10/300  loss 6.5000  1,000 tok/s  MFU n/a  ETA 0m29s",
+        "step     20/300  loss nan  1,000 tok/s  MFU n/a  ETA 0m28s  skipped 3 non-finite",
+    ]

@@ -49,6 +49,22 @@ def test_candidate_shapes_skip_what_does_not_divide():
     assert any("scale-up domain" in why for _, why in skipped)
 
 
+def test_a_shape_a_rule_cannot_divide_is_listed_as_refused_with_its_line():
+    import jax
+
+    config = load_config(["configs/tiny.yaml"], ["mesh.rules.vocab=[data]"])
+    kept, skipped = sweep.candidate_shapes(config, jax.devices()[:8])
+    reasons = {sweep.mesh_name(s): why for s, why in skipped}
+    assert reasons["data=8,expert=1,tensor=1"] == (
+        "params/embed/embedding [260, 64]: dimension 0 (vocab) of size 260 cannot be split 8 ways by "
+        "mesh.rules.vocab -> data=8; change that rule or the mesh"
+    )
+    assert {sweep.mesh_name(s) for s, _ in kept} == {
+        sweep.mesh_name(s) for s in sweep.factorisations(8) if sweep.mesh_name(s) not in reasons
+    }
+    assert len(kept) == 8  # data=4 splits 260 into 65 rows each: allowed
+
+
 def test_native_a2a_model_scales_as_ep_minus_one_over_ep():
     config = load_config(["configs/tiny.yaml"], ["model.compute_dtype=bfloat16", "model.remat=none"])
     by_ep = {

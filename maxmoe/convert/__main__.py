@@ -6,8 +6,9 @@
 
 from-hf writes OUT/checkpoints (parameters and router biases) and OUT/config.yaml (a
 `model:` section). to-hf reads a converted folder or a training run's folder and writes
-config.json and model.safetensors (shards + index past --shard-gb). Bad input (unknown or
-missing tensors, wrong shapes, a non-empty output folder) is one line and exit status 2.
+config.json and model.safetensors (shards + index past --shard-gb), one tensor at a time
+without holding the model. Bad input (unknown or missing tensors, wrong shapes, a non-empty
+output folder) is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from maxmoe.cli import _Parser, main_guard
-from maxmoe.convert import hf
+from maxmoe.convert import hf, hf_export
 
 
 def build_parser() -> _Parser:
@@ -47,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.shard_gb <= 0:
             raise hf.UserError(f"--shard-gb={args.shard_gb}: must be > 0")
-        names = hf.convert_to_hf(args.checkpoint, args.out, args.dtype, int(args.shard_gb * (1 << 30)))
+        names = hf_export.convert_to_hf(
+            args.checkpoint,
+            args.out,
+            args.dtype,
+            int(args.shard_gb * (1 << 30)),
+            label=f"--checkpoint {args.checkpoint}",
+        )
         print(f"maxmoe: wrote {args.out}/config.json and {len(names)} safetensors file(s)")
     return 0
 

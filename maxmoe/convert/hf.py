@@ -8,9 +8,8 @@ the stacked [layers, ...] output. Host memory is the output arrays plus the larg
 tensor; with a scratch folder (the command line uses one) output arrays of 64 MiB or more
 are memory-mapped `.npy` files, so resident memory stays near one stacked parameter.
 FP8 weights with a `weight_scale_inv` are dequantised block-wise (maxmoe.convert.fp8).
-Export (`to-hf`) writes the release layout back, loadable by transformers'
-DeepseekV3ForCausalLM: config.json in the release's key style, model.safetensors (or
-numbered shards and model.safetensors.index.json).
+Export (`to-hf`, maxmoe.convert.hf_export) writes the release layout back with the same
+mapping, streamed from the checkpoint one tensor at a time.
 
 Mapping (HF linear weights are [out, in]; maxmoe kernels are [in, out], attention split
 per head). Axis legend: D embed, H heads, N qk_nope, R qk_rope, V v_head, Q q_lora,
@@ -63,15 +62,14 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 import yaml
 from flax import traverse_util
 
-from maxmoe.config import Config, ModelConfig, UserError, build_config
+from maxmoe.config import Config, ModelConfig, TrainConfig, UserError, build_config
 from maxmoe.convert.fp8 import dequantize_fp8_blockwise, scale_grid_shape
-from maxmoe.convert.hf_config import hf_config_from_model, model_config_from_hf
+from maxmoe.convert.hf_config import model_config_from_hf
 from maxmoe.model.transformer import abstract_variables
-from maxmoe.training.checkpoint import load_params, save_params
+from maxmoe.training.checkpoint import latest_step_of, load_params, save_params, saved_model_config
 
 SCRATCH_MIN_BYTES = 64 << 20  # output arrays at least this big are memory-mapped when a scratch folder is given
 DEFAULT_SHARD_BYTES = 5 << 30
@@ -318,6 +316,18 @@ def _validate(source: _Source, tensors: list[Tensor], block: tuple[int, int]) ->
             raise UserError(f"tensor {name} is {source.dtype[name]} but {name}_scale_inv is missing")
 
 
+def _block_size(hf: dict, where: Path) -> tuple[int, int]:
+    """The FP8 scale block of `quantization_config.weight_block_size` (default 128 x 128)."""
+    quantization = hf.get("quantization_config") or {}
+    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else quantization
+    if block is None:
+        return (128, 128)
+    sizes = block if isinstance(block, list) and len(block) == 2 else []
+    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes):
+        raise UserError(f"{where}: quantization_config weight_block_size {block!r}: expected [rows, columns]")
+    return tuple(block)
+
+
 def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None = None) -> tuple[ModelConfig, dict]:
     """(ModelConfig, {'params', 'router'} of numpy arrays) from an HF DeepSeek-V3 folder.
 
@@ -335,7 +345,7 @@ def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None =
         raise UserError(f"{config_path}: not valid JSON") from None
     m = model_config_from_hf(hf, str(config_path))
     out_dtype = _np_dtype(dtype)
-    block = tuple((hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    block = _block_size(hf, config_path)
     tensors = hf_tensors(m, interleaved=bool(hf.get("rope_interleave", True)))
     source = _Source(folder)
     _validate(source, tensors, block)
@@ -371,9 +381,17 @@ def _allocate(shape: tuple, dtype: np.dtype, scratch: Path | None, number: int) 
     return np.empty(shape, dtype)
 
 
+def _sections(m: ModelConfig) -> dict:
+    """This model, and train.seq_len where the default is longer than the model's positions."""
+    sections = {"model": dataclasses.asdict(m)}
+    if TrainConfig().seq_len > m.max_position_embeddings:
+        sections["train"] = {"seq_len": m.max_position_embeddings}
+    return sections
+
+
 def full_config(m: ModelConfig) -> Config:
     """Default sections plus this model."""
-    return build_config({"model": dataclasses.asdict(m)})
+    return build_config(_sections(m))
 
 
 def config_yaml(m: ModelConfig, source: str) -> str:
@@ -382,7 +400,7 @@ def config_yaml(m: ModelConfig, source: str) -> str:
         f"# DeepSeek-V3 model converted from {source} by `python -m maxmoe.convert from-hf`.\n"
         f"# Fine-tune: python -m maxmoe.train --config <this file> checkpoint.init_from=<this folder>\n"
         f"# Expect the loss to start at the pretrained model's level, not at ln(vocab_size).\n"
-        + yaml.safe_dump({"model": dataclasses.asdict(m)}, sort_keys=False)
+        + yaml.safe_dump(_sections(m), sort_keys=False)
     )
 
 
@@ -408,26 +426,15 @@ def _check_empty(out: Path) -> None:
 # ----------------------------------------------------------------------------- maxmoe checkpoints
 
 
-def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, {'params', 'router'} as host numpy arrays) from a maxmoe checkpoint or run folder."""
-    folder = Path(path).absolute()
-    if not folder.is_dir():
-        raise UserError(f"checkpoint {path}: no such folder")
-    directory = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
-    try:
-        step = manager.latest_step()
-        if step is None:
-            raise UserError(f"checkpoint {path}: no complete checkpoint step found")
-        raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        m = build_config({"model": raw["model"]}).model
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path}: cannot read its model config ({first})") from None
-    finally:
-        manager.close()
-    abstract = abstract_variables(m)
-    restored = load_params(str(folder), types.SimpleNamespace(**abstract))
+def read_checkpoint(path: str | Path, label: str = "") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, {'params', 'router'} as host numpy arrays) from a maxmoe checkpoint or run folder.
+
+    Errors start with `label` (default `checkpoint <path>`).
+    """
+    label = label or f"checkpoint {path}"
+    with latest_step_of(path, label, "config") as (manager, step, where):
+        m = saved_model_config(manager, step, where)
+    restored = load_params(str(path), types.SimpleNamespace(**abstract_variables(m)), label=label)
     return m, {k: _to_numpy(v) for k, v in restored.items()}
 
 
@@ -453,73 +460,3 @@ def load_pretrained(path: str | Path, dtype: str = "float32", compute_dtype: str
         }
     m = dataclasses.replace(m, compute_dtype=compute_dtype or dtype)
     return full_config(m), jax.tree.map(jnp.asarray, variables)
-
-
-# ----------------------------------------------------------------------------- export
-
-
-def export_hf(
-    m: ModelConfig, variables: dict, out: str | Path, dtype: str = "bfloat16", shard_bytes: int = DEFAULT_SHARD_BYTES
-) -> list[str]:
-    """Write config.json and model.safetensors (or shards + index) in the release layout; returns file names.
-
-    Tensors are built one shard at a time, so memory beyond the parameters is one shard.
-    Router correction biases stay float32 (as in the release).
-    """
-    from safetensors.numpy import save_file
-
-    out = Path(out)
-    _check_empty(out)
-    cast = _np_dtype(dtype)
-    tensors = hf_tensors(m, interleaved=True)
-
-    def get(collection, path, index):
-        node = variables[collection]
-        for key in path:
-            node = node[key]
-        return np.asarray(node[index] if index else node)
-
-    def kind(tensor):
-        return np.dtype(np.float32) if tensor.name.endswith("e_score_correction_bias") else cast
-
-    shards, size = [[]], 0
-    for tensor in tensors:
-        nbytes = math.prod(tensor.shape) * kind(tensor).itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(tensor)
-        size += nbytes
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
-    for name, shard in zip(names, shards):
-        arrays = {}
-        for tensor in shard:
-            value = tensor.join(get)
-            if value.shape != tensor.shape:
-                raise RuntimeError(f"{tensor.name}: built {value.shape}, expected {tensor.shape}")
-            arrays[tensor.name] = np.ascontiguousarray(value.astype(kind(tensor)))
-            weight_map[tensor.name] = name
-            total += arrays[tensor.name].nbytes
-        save_file(arrays, str(out / name), metadata={"format": "pt"})
-        del arrays
-    if len(names) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(m, dtype), indent=2) + "\n")
-    return names
-
-
-def convert_to_hf(
-    checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", shard_bytes: int = DEFAULT_SHARD_BYTES
-) -> list[str]:
-    """Export a maxmoe checkpoint (converted or trained) as an HF DeepSeek-V3 folder."""
-    _check_empty(Path(out))
-    _np_dtype(dtype)
-    m, variables = read_checkpoint(checkpoint)
-    return export_hf(m, variables, out, dtype, shard_bytes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxmoe.config import ConfigError, ModelConfig, UserError, build_config
+from maxmoe.config import ConfigError, ModelConfig, UserError, build_model_config
 
 
 def _get(hf: dict, key: str, default: Any = ..., *, null: Any = ..., where: str = "config.json") -> Any:
@@ -20,8 +20,25 @@ def _get(hf: dict, key: str, default: Any = ..., *, null: Any = ..., where: str 
     return hf[key]
 
 
+def _number(mapping: dict, key: str, where: str, default: Any = ...) -> float:
+    """mapping[key] as a float; a one-line error when it is not a JSON number."""
+    value = _get(mapping, key, default, where=where)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{where}: '{key}' is {value!r}, expected a number")
+    return float(value)
+
+
+def _integer(mapping: dict, key: str, where: str) -> int:
+    value = _get(mapping, key, where=where)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{where}: '{key}' is {value!r}, expected an integer")
+    return value
+
+
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A maxmoe ModelConfig from a DeepSeek-V3 config.json (release or transformers 5.x keys)."""
+    if not isinstance(hf, dict):
+        raise UserError(f"{where}: expected a JSON object of config keys, not a {type(hf).__name__}")
     model_type = hf.get("model_type", "deepseek_v3")
     if model_type != "deepseek_v3":
         raise UserError(f"{where}: model_type {model_type!r} is not supported (expected deepseek_v3)")
@@ -35,13 +52,13 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             raise UserError(f"{where}: {key}={hf[key]!r} is not supported (maxmoe needs {expected!r})")
     if hf.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
         raise UserError(f"{where}: topk_method={hf['topk_method']!r} is not supported (maxmoe routes as noaux_tc)")
-    heads = _get(hf, "num_attention_heads", where=where)
+    heads = _integer(hf, "num_attention_heads", where)
     if hf.get("num_key_value_heads") not in (None, heads):
         raise UserError(
             f"{where}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads "
             f"({heads}) in multi-head latent attention"
         )
-    layers = _get(hf, "num_hidden_layers", where=where)
+    layers = _integer(hf, "num_hidden_layers", where)
 
     def need(key, null=...):
         return _get(hf, key, null=null, where=where)
@@ -50,7 +67,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         vocab_size=need("vocab_size"),
         hidden_size=need("hidden_size"),
         num_layers=layers,
-        first_k_dense=min(need("first_k_dense_replace"), layers),
+        first_k_dense=min(_integer(hf, "first_k_dense_replace", where), layers),
         mlp_dim=need("intermediate_size"),
         moe_mlp_dim=need("moe_intermediate_size"),
         num_heads=heads,
@@ -73,37 +90,45 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     )
     model.update(_rope_from_hf(hf, where))
     try:
-        return build_config({"model": model}).model
+        return build_model_config(model)
     except ConfigError as e:
         raise UserError(f"{where}: {e}") from None
 
 
 def _rope_from_hf(hf: dict, where: str) -> dict:
     """The rope keys of ModelConfig from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(key) or {}
+    if not isinstance(params, dict):
+        raise UserError(f'{where}: \'{key}\' is {params!r}, expected an object like {{"type": "yarn", ...}} or null')
+    rope_where = f"{where} {key}"
+    theta = (
+        _number(params, "rope_theta", rope_where) if "rope_theta" in params else _number(hf, "rope_theta", where, 1e4)
+    )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return {"rope_theta": float(theta), "rope_scaling": "none"}
+        return {"rope_theta": theta, "rope_scaling": "none"}
     if kind != "yarn":
         raise UserError(f"{where}: rope type {kind!r} is not supported (maxmoe has default and yarn)")
     if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
         raise UserError(f"{where}: yarn 'attention_factor' / 'truncate: false' are not supported")
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    mscale = None if params.get("mscale") is None else _number(params, "mscale", rope_where)
+    mscale_all_dim = _number(params, "mscale_all_dim", rope_where, 0.0) if params.get("mscale_all_dim") else 0.0
     if mscale is None and mscale_all_dim:
         # transformers then uses the default temperature on cos/sin, which ModelConfig cannot express.
         raise UserError(f"{where}: yarn with mscale_all_dim but no mscale is not supported")
+    original = _number(params, "original_max_position_embeddings", rope_where)
+    if original != int(original):
+        raise UserError(f"{rope_where}: 'original_max_position_embeddings' is {original!r}, expected an integer")
     return {
-        "rope_theta": float(theta),
+        "rope_theta": theta,
         "rope_scaling": "yarn",
-        "rope_factor": float(_get(params, "factor", where=f"{where} rope parameters")),
-        "rope_original_max_position": int(
-            _get(params, "original_max_position_embeddings", where=f"{where} rope parameters")
-        ),
-        "rope_beta_fast": float(params.get("beta_fast") or 32.0),
-        "rope_beta_slow": float(params.get("beta_slow") or 1.0),
-        "rope_mscale": float(1.0 if mscale is None else mscale),
-        "rope_mscale_all_dim": float(mscale_all_dim or 0.0),
+        "rope_factor": _number(params, "factor", rope_where),
+        "rope_original_max_position": int(original),
+        "rope_beta_fast": _number(params, "beta_fast", rope_where) if params.get("beta_fast") else 32.0,
+        "rope_beta_slow": _number(params, "beta_slow", rope_where) if params.get("beta_slow") else 1.0,
+        "rope_mscale": 1.0 if mscale is None else mscale,
+        "rope_mscale_all_dim": mscale_all_dim,
     }
 
 

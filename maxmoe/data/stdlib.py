@@ -50,7 +50,9 @@ def stdlib_corpus(cache_dir: str, eval_fraction: float) -> Path:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "maxmoe"
     folder = base / f"stdlib-{version}-{key.hexdigest()[:12]}"
-    if not (folder / "meta.json").is_file():
+    if (folder / "meta.json").is_file():
+        return folder
+    try:
         write_token_folder(
             folder,
             ((name, byte_tokens((root / name).read_bytes())) for name in names),
@@ -64,4 +66,8 @@ def stdlib_corpus(cache_dir: str, eval_fraction: float) -> Path:
                 "pad_id": PAD_ID,
             },
         )
+    except OSError as e:
+        where = f"data.cache_dir={cache_dir}" if cache_dir else f"the token cache {base} (data.cache_dir)"
+        detail = f"{e.filename}: {e.strerror}" if e.filename else (e.strerror or type(e).__name__)
+        raise UserError(f"{where}: cannot build the stdlib token cache ({detail})") from None
     return folder

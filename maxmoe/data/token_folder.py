@@ -172,17 +172,48 @@ def read_meta(folder: str | Path) -> dict:
     return meta
 
 
+# Largest token id of each token file already read: (path, size, mtime) -> id. Evaluation reopens
+# the eval split every time; the scan runs once per file and process.
+_MAX_ID_SEEN: dict[tuple, int] = {}
+_SCAN_BLOCK = 1 << 24  # tokens per block of the scan: bounded memory whatever the file size
+
+
+def _largest_id(path: Path, tokens: np.ndarray) -> int:
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _MAX_ID_SEEN:
+        _MAX_ID_SEEN[key] = max(
+            (int(tokens[i : i + _SCAN_BLOCK].max()) for i in range(0, len(tokens), _SCAN_BLOCK)), default=-1
+        )
+    return _MAX_ID_SEEN[key]
+
+
 def load_tokens(folder: str | Path, split: str) -> tuple[np.ndarray, dict]:
-    """The tokens of one split of a token folder (memory-mapped) and its meta."""
+    """The tokens of one split of a token folder (memory-mapped) and its meta.
+
+    The split's file must be a plain name inside the folder, hold exactly the promised number
+    of tokens, and every id must be below the folder's vocab_size (checked once per file).
+    """
     meta = read_meta(folder)
     entry = meta["splits"][split]
-    path = Path(folder) / str(entry.get("file", ""))
+    name = entry.get("file")
+    meta_path = Path(folder) / "meta.json"
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise UserError(f"{meta_path}: the {split} split names {name!r}; expected a file name inside the folder")
+    path = Path(folder) / name
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     count = entry.get("tokens")
     if not path.is_file():
-        raise UserError(f"{path} not found (listed in {Path(folder) / 'meta.json'})")
+        raise UserError(f"{path} not found (listed in {meta_path})")
     if not isinstance(count, int) or path.stat().st_size != count * dtype.itemsize:
         raise UserError(f"{path}: {path.stat().st_size} bytes, meta.json promises {count!r} {meta['dtype']} tokens")
     if count == 0:
         return np.zeros(0, dtype), meta
-    return np.memmap(path, dtype=dtype, mode="r"), meta
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    largest = _largest_id(path, tokens)
+    if largest >= meta["vocab_size"]:
+        raise UserError(
+            f"{path}: token id {largest} is outside the vocabulary of {meta['vocab_size']} (meta.json vocab_size); "
+            f"the folder was written with another tokenizer or is damaged"
+        )
+    return tokens, meta

@@ -24,13 +24,20 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import PartitionSpec
 from orbax.checkpoint import checkpoint_utils
 
-from maxmoe.config import Config, UserError
+from maxmoe.config import Config, ConfigError, ModelConfig, UserError, build_model_config
+from maxmoe.model.transformer import abstract_variables
+from maxmoe.training import step as step_lib
+from maxmoe.training.optim import make_optimizer
+from maxmoe.training.run_dir import LOCK_NAME
 
 STEP_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress step folders
+CHUNK_AXES = ("layers", "expert")  # logical axes stored one index per chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +129,12 @@ def _model_differences(saved_config: Any, config: Config) -> str:
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''})" if diffs else ""
 
 
-def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "") -> None:
-    """UserError unless every array of `target_tree` is in `stored_tree` with the same shape."""
+def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "", *, exact: bool = False) -> None:
+    """UserError unless every array of `target_tree` is in `stored_tree` with the same shape.
+
+    With `exact`, arrays of `stored_tree` that `target_tree` lacks (a model with fewer parts:
+    no MTP, fewer layers) are an error too; without it they are left unread.
+    """
     stored, target = _leaf_paths(stored_tree), _leaf_paths(target_tree)
     missing = [p for p in target if p not in stored]
     if missing:
@@ -131,12 +142,35 @@ def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "") -
             f"{where} does not fit this model: it has no {missing[0]}"
             f"{f' (and {len(missing) - 1} more arrays)' if len(missing) > 1 else ''}{hint}"
         )
+    # Parameters first: they say more than their optimizer moments.
+    extra = (
+        sorted((p for p in stored if p not in target), key=lambda p: (not p.startswith("params"), p)) if exact else []
+    )
+    if extra:
+        raise UserError(
+            f"{where} does not fit this model: it has {extra[0]}"
+            f"{f' (and {len(extra) - 1} more arrays)' if len(extra) > 1 else ''}, which this model lacks{hint}"
+        )
     for path, leaf in target.items():
         shape = tuple(getattr(stored[path], "shape", None) or ())
         if shape != tuple(leaf.shape):
             raise UserError(
                 f"{where} does not fit this model: {path} has shape {shape} there, {tuple(leaf.shape)} here{hint}"
             )
+
+
+def chunked_save_args(boxed_tree: Any) -> Any:
+    """ocp.SaveArgs per array of a logically-boxed tree: stored one layer (and one expert) per chunk.
+
+    Stacked arrays split on their CHUNK_AXES, so a reader that wants one expert's matrix (the
+    Hugging Face export) decodes that matrix and nothing else; other arrays keep orbax's chunks.
+    """
+    specs = nn.get_partition_spec(boxed_tree)
+    return jax.tree.map(
+        lambda spec: ocp.SaveArgs(shard_axes=tuple(i for i, name in enumerate(spec or ()) if name in CHUNK_AXES)),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+    )
 
 
 class Checkpointer:
@@ -149,6 +183,7 @@ class Checkpointer:
         self.config = config
         self.directory = (Path(run_dir) / "checkpoints").absolute()
         self._manager = None
+        self._chunking = None  # save arguments per array, made at the first save
 
     def _open(self):
         if self._manager is None:
@@ -169,7 +204,7 @@ class Checkpointer:
         run_dir = self.directory.parent
         if self.config.checkpoint.resume or not run_dir.exists():
             return
-        if any(run_dir.iterdir()):
+        if any(p.name != LOCK_NAME for p in run_dir.iterdir()):
             raise UserError(
                 f"run.dir {run_dir} is not empty and checkpoint.resume=false; "
                 f"choose a new run.dir or set checkpoint.resume=true"
@@ -212,6 +247,7 @@ class Checkpointer:
                 abstract_state,
                 where,
                 _model_differences(saved_config, self.config),
+                exact=True,
             )
             try:
                 restored = manager.restore(
@@ -239,12 +275,18 @@ class Checkpointer:
         return manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
+                state=ocp.args.StandardSave(state, save_args=self._save_args()),
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(self.config.to_dict()),
             ),
             force=True,
         )
+
+    def _save_args(self) -> Any:
+        if self._chunking is None:
+            boxed = step_lib.abstract_state(self.config, make_optimizer(self.config.train), boxed=True)
+            self._chunking = chunked_save_args(boxed)
+        return self._chunking
 
     def wait(self) -> None:
         """Block until every started save is complete on disk."""
@@ -258,32 +300,71 @@ class Checkpointer:
             self._manager = None
 
 
-def load_params(path: str, abstract_state: Any) -> dict:
-    """{'params', 'router'} from the latest step under `path` (a run.dir, its checkpoints/ or a
-    `save_params` folder), placed on the shardings of `abstract_state` (the current mesh)."""
+@contextlib.contextmanager
+def latest_step_of(path: str | Path, label: str, *items: str):
+    """(manager, step, where) of the latest complete step under `path`, read-only, orbax kept quiet.
+
+    `path` is a run.dir, its checkpoints/ or a `save_params` folder; `label` is how the user
+    named it (`checkpoint.init_from=X`, `--checkpoint X`) and starts every error. `items` are
+    the handlers to register ("params" reads the state item in part). Closed on exit.
+    """
     folder = Path(path).expanduser().absolute()
     if not folder.is_dir():
-        raise UserError(f"checkpoint.init_from={path}: no such folder")
+        raise UserError(f"{label}: no such folder")
     directory = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
     with _quiet_orbax():  # read_only makes orbax warn about the options it turns off
         manager = ocp.CheckpointManager(
-            directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers("params", "config")
+            directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers(*items)
         )
     try:
         with _quiet_orbax():
             step = manager.latest_step()
-            if step is None:
-                raise UserError(f"checkpoint.init_from={path}: no complete checkpoint step in {directory}")
-            where = f"checkpoint.init_from={path} (step {step})"
-            target = {"params": abstract_state.params, "router": abstract_state.router}
-            try:
-                metadata = manager.item_metadata(step)
-                stored = metadata.get("state") if metadata is not None else None
-            except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
-                raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
-            if stored is None:
-                raise UserError(f"{where}: not a maxmoe checkpoint (no state item)")
-            check_fits(getattr(stored, "tree", stored), target, where)
+        if step is None:
+            raise UserError(f"{label}: no complete checkpoint step in {directory}")
+        yield manager, step, f"{label} (step {step})"
+    finally:
+        manager.close()
+
+
+def stored_arrays(manager: Any, step: int, where: str) -> Any:
+    """The tree of array metadata (shape, dtype) of a step's state item; UserError if unreadable."""
+    with _quiet_orbax():
+        try:
+            metadata = manager.item_metadata(step)
+            stored = metadata.get("state") if metadata is not None else None
+        except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
+            raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
+    if stored is None:
+        raise UserError(f"{where}: not a maxmoe checkpoint (no state item)")
+    return getattr(stored, "tree", stored)
+
+
+def saved_model_config(manager: Any, step: int, where: str) -> ModelConfig:
+    """The model of the config saved with a step (needs the "config" handler)."""
+    with _quiet_orbax():
+        try:
+            raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception as e:  # noqa: BLE001 - see above
+            raise UserError(f"{where}: cannot read its config ({_first_line(e)})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        raise UserError(f"{where}: its saved config has no model section")
+    try:
+        return build_model_config(raw["model"])
+    except ConfigError as e:
+        raise UserError(f"{where}: its saved model config is not valid here ({e})") from None
+
+
+def load_params(path: str, abstract_state: Any, label: str = "") -> dict:
+    """{'params', 'router'} from the latest step under `path` (a run.dir, its checkpoints/ or a
+    `save_params` folder), placed on the shardings of `abstract_state` (the current mesh).
+
+    Errors start with `label` (default `checkpoint.init_from=<path>`).
+    """
+    label = label or f"checkpoint.init_from={path}"
+    target = {"params": abstract_state.params, "router": abstract_state.router}
+    with latest_step_of(path, label, "params", "config") as (manager, step, where):
+        check_fits(stored_arrays(manager, step, where), target, where)
+        with _quiet_orbax():
             try:
                 restored = manager.restore(
                     step,
@@ -295,23 +376,23 @@ def load_params(path: str, abstract_state: Any) -> dict:
                         )
                     ),
                 )
-            except Exception as e:  # noqa: BLE001 - see above
+            except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
                 raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
-    finally:
-        manager.close()
     return {"params": restored["state"]["params"], "router": restored["state"]["router"]}
 
 
 def save_params(folder: str | Path, params: Any, router: Any, config: Config, step: int = 0) -> Path:
     """Write parameters and router biases as a checkpoint that `checkpoint.init_from` accepts."""
     directory = Path(folder).absolute() / "checkpoints"
+    boxed = abstract_variables(config.model, boxed=True)
+    save_args = chunked_save_args({"params": boxed["params"], "router": boxed.get("router", {})})
     with ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(create=True), item_handlers=_handlers("state", "config")
     ) as manager:
         manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"params": params, "router": router}),
+                state=ocp.args.StandardSave({"params": params, "router": router}, save_args=save_args),
                 config=ocp.args.JsonSave(config.to_dict()),
             ),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,13 @@ def truncate_after(path: Path, step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    os.replace(tmp, path)
+    # A name of its own: two processes rewriting one file must not share a temporary file.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _duration(seconds: float) -> str:
@@ -123,6 +128,8 @@ class MetricsLogger:
             f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
             f"MFU {mfu}  ETA {_duration(eta)}"
         )
+        if r.get("skipped_steps"):  # updates left out because the loss or gradient norm was not finite
+            text += f"  skipped {r['skipped_steps']} non-finite"
         self.display.update(step, text)
 
     def close(self) -> None:

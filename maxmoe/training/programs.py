@@ -46,6 +46,7 @@ def build_programs(config: Config, layout) -> Programs:
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
     )
+    layout.check_array("the token batch", ("batch", None), (config.train.batch_size, config.train.seq_len + 1))
     batch_sharding = layout.sharding(("batch", None))
     init = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=shardings)
     train_step = jax.jit(

@@ -1,0 +1,142 @@
+"""run.dir before anything compiles: created, checked writable, and locked for one job at a time.
+
+    lock = claim_run_dir(config.run.dir, process_index, process_count)   # UserError if it cannot be had
+    ...                                                                   # the run
+    lock.release()                                                        # (also on process exit)
+
+The lock is `flock` on `run.dir/maxmoe.lock`, held by process 0 for the whole run; the file
+records the holder's pid, host and start time, so a second job on the same run.dir stops at
+once with one line naming them, before it reads a checkpoint or writes a byte. The kernel drops
+an flock when its holder dies (even by SIGKILL), so a stale file never blocks a restart. Other
+processes of a multi-process job do not lock (on a shared file system they would block their
+own process 0); they learn from process 0 whether it got the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from jax.experimental import multihost_utils
+
+from maxmoe.config import UserError
+
+LOCK_NAME = "maxmoe.lock"
+
+
+def prepare_run_dir(path: str | Path) -> Path:
+    """Create run.dir (and its parents) and check that a file can be written in it.
+
+    A regular file on the way, or a folder this process cannot write, is a UserError naming it.
+    """
+    run_dir = Path(path).expanduser()
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"run.dir={path}: {folder} is a file, not a folder")
+    probe = run_dir / f".write-test-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and Path(e.filename) != probe else ""
+        raise UserError(f"run.dir={path}: cannot write there{where}: {e.strerror or type(e).__name__}") from None
+    return run_dir
+
+
+def describe_holder(lock_file: Path) -> str:
+    """'process 1234 on host-a (since 2025-01-01 12:00:00)' from a lock file, or what is known."""
+    try:
+        holder = json.loads(lock_file.read_text())
+        text = f"process {int(holder['pid'])} on {holder['host']}"
+        if holder.get("started"):
+            text += f" (since {holder['started']})"
+        return text
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (its lock file names none yet)"
+
+
+class RunDirLock:
+    """An exclusive flock on run.dir/maxmoe.lock; `acquire` raises a UserError naming the holder."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self._file = None
+
+    def acquire(self) -> None:
+        """Take the lock without waiting, and write this process's pid, host and start time into the file."""
+        handle = open(self.path, "a+")  # noqa: SIM115 - held open for the whole run
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise UserError(
+                f"run.dir {self.path.parent} is in use by {describe_holder(self.path)}; "
+                f"wait for that job to end, stop it, or choose another run.dir"
+            ) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                handle.close()
+                raise UserError(f"cannot lock {self.path}: {e.strerror or type(e).__name__}") from None
+            # A file system without locks: run unguarded rather than not at all.
+            print(f"maxmoe: warning: {self.path}: the file system has no flock; run.dir is not locked", file=sys.stderr)
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv,
+        }
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(holder) + "\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: deleting it could let two jobs lock two different files)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _agree(ok: bool, process_count: int) -> bool:
+    """Whether process 0's `ok` is true, on every process (a broadcast when there are several)."""
+    if process_count == 1:
+        return ok
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+def claim_run_dir(path: str | Path, process_index: int = 0, process_count: int = 1) -> RunDirLock:
+    """Prepare run.dir and lock it for this job (process 0 holds the lock); UserError if it cannot.
+
+    Every process checks that it can write there (each writes its own checkpoint shards).
+    """
+    run_dir = prepare_run_dir(path)
+    lock = RunDirLock(run_dir)
+    error = None
+    if process_index == 0:
+        try:
+            lock.acquire()
+        except UserError as e:
+            error = e
+    if not _agree(error is None, process_count):
+        raise error or UserError(f"run.dir {run_dir}: process 0 could not lock it (see its error)")
+    return lock
