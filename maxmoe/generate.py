@@ -30,7 +30,7 @@ import yaml
 from maxmoe.cli import _Parser, exit_with, main_guard
 from maxmoe.config import ConfigError, ModelConfig, UserError, load_config
 from maxmoe.convert.hf import load_pretrained
-from maxmoe.data import EOS_ID, byte_tokens, decode_bytes, read_meta
+from maxmoe.data import EOS_ID, byte_tokens, data_folders, decode_bytes, read_meta
 from maxmoe.model.decode import decode, init_cache
 
 # End-of-text tokens of common tokenizers, tried in order (DeepSeek-V3's first).
@@ -99,14 +99,17 @@ def tokenizer_for(folder: str | Path, spec: str = "") -> ByteTokenizer | JsonTok
             f"no tokenizer for {folder}: it has no tokenizer.json and no training config; "
             f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
         )
-    data = load_config(config_path).data
-    if data.source in ("stdlib", "synthetic"):
+    run_config = load_config(config_path)
+    if run_config.data.source in ("stdlib", "synthetic"):
         return ByteTokenizer()
-    name = read_meta(data.path).get("tokenizer", "")
+    data_folder = data_folders(run_config)[0][0]  # a mixture's folders share one vocabulary
+    name = read_meta(data_folder).get("tokenizer", "")
     if name == "byte":
         return ByteTokenizer()
     if not name or not Path(name).is_file():
-        raise UserError(f"the run's data ({data.path}) names tokenizer {name!r}, which is not a file; pass --tokenizer")
+        raise UserError(
+            f"the run's data ({data_folder}) names tokenizer {name!r}, which is not a file; pass --tokenizer"
+        )
     return JsonTokenizer(name)
 
 
