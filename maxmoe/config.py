@@ -244,7 +244,9 @@ class RunConfig:
     peak_tflops: float = _field(0.0, ge=0, doc="per-device peak for MFU; 0: from the device kind")
     profile_steps: list = _field([], doc="[first, last] steps to trace with jax.profiler")
     progress: str = _field(
-        "auto", choices=("auto", "bar", "plain"), doc="console: a live bar on a terminal (auto) or plain lines"
+        "auto",
+        choices=("auto", "bar", "plain", "none"),
+        doc="console: a live bar on a terminal (auto) or plain lines; none: quiet (notebooks)",
     )
 
 
@@ -294,8 +296,31 @@ class Config:
     dist: DistConfig = dataclasses.field(default_factory=DistConfig)
 
     def replace(self, **sections) -> Config:
-        """A copy with whole sections replaced."""
-        return dataclasses.replace(self, **sections)
+        """A validated copy with sections replaced: by section objects or by dicts of changed keys.
+
+            config.replace(train={"steps": 50}, mesh=dataclasses.replace(config.mesh, data=2))
+
+        Values are type-checked and cross-checked as `load_config` checks them (ConfigError).
+        """
+        raw = self.to_dict()
+        for section, value in sections.items():
+            if section not in _SECTION_CLASSES:
+                raise _unknown(section, list(_SECTION_CLASSES))
+            if isinstance(value, _SECTION_CLASSES[section]):
+                raw[section] = dataclasses.asdict(value)
+            elif isinstance(value, dict):
+                _merge_section(section, raw[section], value, "replace")
+            else:
+                raise ConfigError(
+                    f"replace({section}=...): expected a {_SECTION_CLASSES[section].__name__} or a dict of its keys"
+                )
+        return build_config(raw)
+
+    def override(self, *overrides: str) -> Config:
+        """A validated copy with `section.key=value` overrides applied, as on the command line."""
+        raw = self.to_dict()
+        _apply_overrides(raw, overrides)
+        return build_config(raw)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -412,10 +437,16 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Merge YAML `files` in order over the defaults, apply `section.key=value` overrides, validate."""
+def load_config(
+    files: str | Path | list | tuple = (), overrides: list[str] | tuple[str, ...] | dict[str, Any] = ()
+) -> Config:
+    """Merge YAML `files` in order over the defaults, apply overrides, validate.
+
+    `files` is one path or a list of them; `overrides` a list of `section.key=value` strings
+    (values read as YAML, as on the command line) or a dict {"section.key": value}.
+    """
     raw: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
-    for path in files:
+    for path in [files] if isinstance(files, (str, Path)) else files:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
@@ -435,22 +466,32 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
             if section not in raw:
                 raise _unknown(str(section), list(_SECTION_CLASSES))
             _merge_section(section, raw[section], updates, path)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form section.key=value")
-        key, text = item.split("=", 1)
+    _apply_overrides(raw, overrides)
+    return build_config(raw)
+
+
+def _apply_overrides(raw: dict[str, dict], overrides: list[str] | tuple[str, ...] | dict[str, Any]) -> None:
+    """Merge `section.key=value` strings (or a {"section.key": value} dict) into `raw`."""
+    if isinstance(overrides, dict):
+        pairs = [(str(key), value) for key, value in overrides.items()]
+    else:
+        pairs = []
+        for item in overrides:
+            if not isinstance(item, str) or "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form section.key=value")
+            key, text = item.split("=", 1)
+            pairs.append((key, _parse_scalar(text)))
+    for key, value in pairs:
         key = key.strip()
         if "." not in key:
             raise _unknown(key, _all_keys())
         section, name = key.split(".", 1)
         if section not in raw:
             raise _unknown(key, _all_keys())
-        value = _parse_scalar(text)
         if section == "mesh" and name.startswith("rules."):
             # mesh.rules.<logical>=[axes] changes one rule and keeps the others.
             name, value = "rules", {**raw["mesh"].get("rules", {}), name[len("rules.") :]: value}
         _merge_section(section, raw[section], {name: value}, "override")
-    return build_config(raw)
 
 
 def _build_section(section: str, values: dict) -> Any:

@@ -22,14 +22,36 @@ import os
 import jax
 
 from maxmoe import distributed, xla_flags
-from maxmoe.config import Config
+from maxmoe.config import Config, UserError
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
+def _cpu_device_count() -> int | None:
+    """This process's CPU devices, once a backend is up; None when there is no CPU backend."""
+    try:
+        return len(jax.local_devices(backend="cpu"))
+    except RuntimeError:
+        return None
+
+
 def set_host_device_count(count: int) -> None:
-    """Ask the CPU backend for `count` devices (0: leave as is); must run before jax starts a backend."""
+    """Ask the CPU backend for `count` devices (0: leave as is); must run before jax starts a backend.
+
+    Once JAX has started, the count is fixed: asking for the count it has is fine, asking
+    for another is a UserError (JAX would ignore it and the mesh would not fit).
+    """
     if count <= 0:
+        return
+    if xla_flags.backends_initialised():
+        current = _cpu_device_count()
+        if current is not None and current != count:
+            fewer = f" (for fewer, leave it at 0 and pass devices=jax.devices()[:{count}])" if count < current else ""
+            raise UserError(
+                f"run.cpu_devices={count} comes too late: JAX has already started its CPU backend with {current} "
+                f"device(s), a count fixed for the life of the process; set it before any jax computation "
+                f"(in a notebook: restart the kernel and call maxmoe.set_host_device_count({count}) first){fewer}"
+            )
         return
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={count}"])

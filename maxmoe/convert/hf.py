@@ -405,7 +405,10 @@ def config_yaml(m: ModelConfig, source: str) -> str:
 
 
 def convert_from_hf(hf_dir: str | Path, out: str | Path, dtype: str = "float32") -> Path:
-    """Write `out`/checkpoints (save_params) and `out`/config.yaml from an HF folder."""
+    """Write `out`/checkpoints (save_params) and `out`/config.yaml from an HF folder.
+
+    The folder's tokenizer files come along, so `python -m maxmoe.generate --checkpoint out` finds them.
+    """
     out = Path(out)
     _check_empty(out)
     scratch = out / ".convert-scratch"
@@ -413,9 +416,15 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path, dtype: str = "float32")
         m, variables = import_hf(hf_dir, dtype, scratch=scratch)
         save_params(out, variables["params"], variables["router"], full_config(m))
         (out / "config.yaml").write_text(config_yaml(m, str(hf_dir)))
+        for name in TOKENIZER_FILES:
+            if (Path(hf_dir) / name).is_file():
+                shutil.copyfile(Path(hf_dir) / name, out / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _check_empty(out: Path) -> None:

@@ -79,7 +79,10 @@ class MetricsLogger:
         self._tb = None
         self._file = None
         self.display = ProgressDisplay(
-            total_steps, mode=progress if enabled else "off", stream=stream or sys.stdout, completed=start_step
+            total_steps,
+            mode=progress if enabled and progress != "none" else "off",
+            stream=stream or sys.stdout,
+            completed=start_step,
         )
         if not enabled:
             return
@@ -93,11 +96,11 @@ class MetricsLogger:
                 raise UserError("run.tensorboard=true needs tensorboardX (pip install 'maxmoe[logging]')") from None
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
-    def log(self, record: dict[str, Any]) -> None:
-        """Append one record (must hold `step`) and show it."""
-        if not self.enabled:
-            return
+    def log(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Append one record (must hold `step`) and show it; returns it as written (JSON-safe)."""
         record = {k: _clean(v) for k, v in record.items()}
+        if not self.enabled:
+            return record
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -109,6 +112,7 @@ class MetricsLogger:
                         if isinstance(item, (int, float)):
                             self._tb.add_scalar(f"{key}/{index}", item, record["step"])
         self._show(record)
+        return record
 
     def message(self, text: str) -> None:
         """A line on the console that stays (above the progress bar on a terminal)."""

@@ -116,18 +116,20 @@ def balance_metrics(stats: dict, router: dict | None = None) -> dict[str, jax.Ar
     moe_layer_imbalance [L]: max/mean expert load of each layer (1 is even; E/K means every
     token picks the same K experts); moe_imbalance: its maximum; dropped_frac: mean over
     layers; router_bias_spread [L] (when `router` is given): max - min of each layer's
-    correction bias, how far the aux-loss-free update has had to push.
+    correction bias, how far the aux-loss-free update has had to push; expert_load [L, E]:
+    token copies per expert (what a notebook plots; kept off metrics.jsonl).
     """
     loads = [x.reshape(-1, x.shape[-1]) for x in _per_layer(stats, "load")]
     if not loads:
         none = jnp.zeros((0,), jnp.float32)
         metrics = {"moe_imbalance": jnp.ones((), jnp.float32), "moe_layer_imbalance": none}
-        metrics["dropped_frac"] = jnp.zeros((), jnp.float32)
+        metrics |= {"dropped_frac": jnp.zeros((), jnp.float32), "expert_load": jnp.zeros((0, 0), jnp.float32)}
         return metrics if router is None else {**metrics, "router_bias_spread": none}
     load = jnp.concatenate(loads)
     ratio = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)
     dropped = jnp.concatenate([x.reshape(-1) for x in _per_layer(stats, "dropped")])
     metrics = {"moe_imbalance": ratio.max(), "moe_layer_imbalance": ratio, "dropped_frac": dropped.mean()}
+    metrics["expert_load"] = load
     if router is not None:
         bias = jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in _per_layer(router, "bias")])
         metrics["router_bias_spread"] = bias.max(-1) - bias.min(-1)

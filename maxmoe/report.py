@@ -1,0 +1,188 @@
+"""`python -m maxmoe.report RUN_DIR [--out report.png]`: a run's metrics as one picture.
+
+    python -m maxmoe.report runs/tiny                 # writes runs/tiny/report.png
+
+Panels: train loss (total and next-token) with eval loss; learning rate; tokens/s with MFU;
+gradient norm; and a heatmap of expert load per MoE layer over the steps (max/mean load:
+1 is perfectly balanced, num_experts / experts_per_token when every token picks the same
+experts). The heatmap reads the per-layer lists `moe_layer_imbalance` of
+metrics.jsonl where present, else per-layer loads handed in (a Trainer's `expert_loads`),
+else the scalar `moe_imbalance` (max over layers) as one row.
+
+In Python: `figure(run_dir_or_trainer_or_records)` returns a matplotlib Figure;
+`write_report(source, out)` saves it as PNG. Needs matplotlib (`pip install 'maxmoe[plot]'`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from maxmoe.cli import _Parser, main_guard
+from maxmoe.config import UserError
+
+LAYER_IMBALANCE_KEY = "moe_layer_imbalance"  # per-layer max/mean load lists in metrics.jsonl
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of run_dir/metrics.jsonl (lines cut short by a crash are skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not Path(run_dir).is_dir():
+        raise UserError(f"{run_dir}: no such run folder")
+    if not path.is_file():
+        raise UserError(f"{path} not found: not a training run folder, or no step was logged yet")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    if not records:
+        raise UserError(f"{path} holds no metrics records")
+    return records
+
+
+def _layer_names(run_dir: Path | None, count: int) -> list[str]:
+    """'layer 1', ..., 'MTP 1' when the run's config.yaml accounts for `count` MoE layers; else 'MoE 0', ..."""
+    model = {}
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
+        try:
+            model = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model", {}) or {}
+        except (yaml.YAMLError, AttributeError):
+            model = {}
+    first, layers, mtp = (model.get(k) for k in ("first_k_dense", "num_layers", "mtp_num_layers"))
+    if all(isinstance(v, int) for v in (first, layers, mtp)) and layers - first + mtp == count:
+        return [f"layer {i}" for i in range(first, layers)] + [f"MTP {k}" for k in range(1, mtp + 1)]
+    return [f"MoE {i}" for i in range(count)]
+
+
+def layer_imbalance(
+    records: Sequence[dict], expert_loads: Sequence[tuple[int, Any]] | None = None
+) -> tuple[list[int], np.ndarray, bool]:
+    """(steps, max/mean load [layers, steps], per_layer) for the heatmap; see the module doc for the sources."""
+    rows = [r for r in records if isinstance(r.get(LAYER_IMBALANCE_KEY), list)]
+    if rows:
+        width = max(len(r[LAYER_IMBALANCE_KEY]) for r in rows)
+        matrix = np.full((width, len(rows)), np.nan)
+        for j, r in enumerate(rows):
+            values = [np.nan if v is None else v for v in r[LAYER_IMBALANCE_KEY]]
+            matrix[: len(values), j] = values
+        return [r["step"] for r in rows], matrix, True
+    if expert_loads:
+        loads = [(step, np.asarray(load, np.float64)) for step, load in expert_loads if np.size(load)]
+        if loads:
+            columns = [load.max(-1) / np.maximum(load.mean(-1), 1e-9) for _, load in loads]
+            return [step for step, _ in loads], np.stack(columns, axis=1), True
+    rows = [r for r in records if r.get("moe_imbalance") is not None]
+    return [r["step"] for r in rows], np.array([[r["moe_imbalance"] for r in rows]], np.float64), False
+
+
+def _series(records: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _matplotlib_figure():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError("reports need matplotlib: pip install 'maxmoe[plot]' (or pip install matplotlib)") from None
+    return Figure
+
+
+def figure(source: Any, *, expert_loads: Sequence[tuple[int, Any]] | None = None, title: str | None = None):
+    """A matplotlib Figure of a run: `source` is a run folder, a Trainer, or a list of metrics records."""
+    run_dir = None
+    if isinstance(source, (str, Path)):
+        run_dir = Path(source)
+        records = read_metrics(run_dir)
+        title = title if title is not None else str(run_dir)
+    elif hasattr(source, "history"):  # a Trainer
+        records = list(source.history)
+        expert_loads = expert_loads if expert_loads is not None else getattr(source, "expert_loads", None)
+        run_dir = getattr(source, "run_dir", None)
+        title = title if title is not None else str(run_dir or "")
+    else:
+        records = list(source)
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    fig = _matplotlib_figure()(figsize=(12, 10), layout="constrained")
+    grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 1.2])
+    if title:
+        fig.suptitle(title)
+
+    ax = fig.add_subplot(grid[0, 0])
+    for key, label in (("loss", "train loss (with MTP, balance)"), ("lm_loss", "train next-token loss")):
+        ax.plot(*_series(train, key), label=label)
+    ax.plot(*_series(evals, "eval_loss"), "o-", label="eval loss")
+    ax.set(title="loss (nats)", xlabel="step")
+    ax.legend(fontsize=8)
+
+    ax = fig.add_subplot(grid[0, 1])
+    ax.plot(*_series(train, "lr"), color="tab:purple")
+    ax.set(title="learning rate", xlabel="step")
+
+    ax = fig.add_subplot(grid[1, 0])
+    ax.plot(*_series(train, "tokens_per_s"), color="tab:green")
+    ax.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    steps, mfu = _series(train, "mfu")
+    if steps:
+        twin = ax.twinx()
+        twin.plot(steps, [100 * v for v in mfu], color="tab:orange")
+        twin.set_ylabel("MFU %", color="tab:orange")
+    else:
+        ax.set_title("throughput (MFU n/a: peak unknown; set run.peak_tflops)")
+
+    ax = fig.add_subplot(grid[1, 1])
+    ax.plot(*_series(train, "grad_norm"), color="tab:red")
+    ax.set(title="gradient norm (before clipping)", xlabel="step")
+
+    ax = fig.add_subplot(grid[2, :])
+    steps, matrix, per_layer = layer_imbalance(records, expert_loads)
+    if steps:
+        names = _layer_names(run_dir, matrix.shape[0]) if per_layer else ["max over layers"]
+        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma", vmin=1.0)
+        fig.colorbar(image, ax=ax, label="max / mean expert load")
+        ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int)
+        ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+        ax.set_yticks(range(len(names)), names)
+    ax.set(title="expert load per MoE layer (1 = balanced)", xlabel="step")
+    return fig
+
+
+def write_report(source: Any, out: str | Path | None = None, **kwargs) -> Path:
+    """Save `figure(source, **kwargs)` as a PNG at `out` (default: RUN_DIR/report.png); returns the path."""
+    if out is None:
+        folder = Path(source) if isinstance(source, (str, Path)) else getattr(source, "run_dir", None)
+        if folder is None:
+            raise UserError("write_report: give `out` for a list of records")
+        out = Path(folder) / "report.png"
+    fig = figure(source, **kwargs)
+    out = Path(out)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write it ({e.strerror or e})") from None
+    return out
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m maxmoe.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run folder (holds metrics.jsonl)")
+    parser.add_argument("--out", default=None, metavar="PNG", help="default: RUN_DIR/report.png")
+    args = parser.parse_args(argv)
+    print(f"maxmoe: wrote {write_report(args.run_dir, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

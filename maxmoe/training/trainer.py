@@ -1,0 +1,310 @@
+"""A training run as an object: what `python -m maxmoe.train` runs and what a notebook drives.
+
+    trainer = Trainer(config)             # process setup, mesh, data, state (restored or fresh)
+    trainer.run()                         # to train.steps; trainer.run(10): ten more steps
+    trainer.evaluate()                    # mean next-token loss over the eval batches
+    trainer.history                       # the records of metrics.jsonl, as dicts
+    trainer.expert_load                   # token copies per expert [MoE layer, expert], last logged step
+    trainer.save(); trainer.close()       # or: with Trainer(config) as trainer: ...
+
+`Trainer(config, devices=jax.devices()[:1])` lays the mesh over those devices only, so one
+process can train on one device, then on all of them (or the reverse). While `run` runs,
+SIGTERM and SIGINT mean "finish this step, save it, stop"; the handlers that were there
+before come back when it returns (a notebook's interrupt keeps working).
+
+The loop: one step stays in flight (its metrics are read on the host only at log steps);
+a step whose loss or gradient norm is not finite leaves the state as it was, and
+`train.max_bad_steps` of them in a row stop the run with the last good state saved.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from maxmoe import data, runtime, xla_flags
+from maxmoe.config import Config
+from maxmoe.flops import flops_per_token, mfu, peak_tflops
+from maxmoe.mesh import build_layout
+from maxmoe.training import checkpoint
+from maxmoe.training.metrics import MetricsLogger
+from maxmoe.training.optim import learning_rate_schedule
+from maxmoe.training.preemption import StopSignal
+from maxmoe.training.programs import build_programs
+from maxmoe.training.run_dir import claim_run_dir
+
+
+def host_value(x) -> np.ndarray:
+    """A replicated array on the host, read from this process's own copy (with several processes,
+    `jax.device_get` refuses arrays that span devices of other processes; every copy is equal)."""
+    return np.asarray(x.addressable_data(0))
+
+
+BAD_STEPS = "bad_steps"  # Trainer.stop_reason when train.max_bad_steps non-finite steps stopped the run
+
+
+class Trainer:
+    """One training run: state on a mesh, its data, checkpoints and metrics (see the module doc).
+
+    Args:
+        config: the validated Config (`maxmoe.load_config`).
+        devices: the devices of the mesh; default all of `jax.devices()`.
+        stop: the StopSignal that signals feed while `run` runs (default: a new one).
+
+    Attributes: config, layout (mesh and rules), programs (compiled steps), state, step
+    (completed steps), start_step, history (metrics.jsonl records of this process's runs),
+    expert_loads ([(step, array [MoE layers, experts])] at logged steps), stop_reason
+    (None, "SIGTERM", "SIGINT" or "bad_steps": why the last `run` stopped early).
+    """
+
+    def __init__(self, config: Config, devices: Sequence[Any] | None = None, *, stop: StopSignal | None = None):
+        self.config = config
+        self.lock = None
+        self.history: list[dict] = []
+        self.expert_loads: list[tuple[int, np.ndarray]] = []
+        self.stop_reason: str | None = None
+        self.logger = None
+        # Before any jax computation starts a backend: host devices, XLA flags, jax.distributed.
+        flags = runtime.setup(config)
+        self.config = config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
+        self.is_main = jax.process_index() == 0
+        self.run_dir = Path(config.run.dir)
+        self.checkpointer = checkpoint.Checkpointer(config, self.run_dir)
+        self.checkpointer.check_start()
+        self.stop = stop or StopSignal(jax.process_count())
+        # Before anything compiles: run.dir must be writable and no other job may be using it.
+        self.lock = claim_run_dir(self.run_dir, jax.process_index(), jax.process_count())
+        try:
+            self._start(devices, flags)
+        except BaseException:
+            self.close()  # finish pending work before any exit, error or not
+            raise
+
+    def _start(self, devices: Sequence[Any] | None, flags: list[str]) -> None:
+        config, t = self.config, self.config.train
+        self.layout = build_layout(config, devices)
+        self.devices = list(self.layout.mesh.devices.flat)
+        self.train_data = self._dataset("train")
+        self.programs = build_programs(config, self.layout)
+        restored = self.checkpointer.restore_latest(self.programs.abstract_state)
+        if restored is not None:
+            self.state, self.step = restored.state, restored.step
+            self.train_data.set_state(restored.data)
+        else:
+            self.state = self.programs.init(jax.random.key(t.seed))
+            if config.checkpoint.init_from:
+                loaded = checkpoint.load_params(config.checkpoint.init_from, self.programs.abstract_state)
+                self.state = self.state.replace(**loaded)
+            self.step = 0
+        self.start_step = self.step
+        self._train_step = None  # compiled at the first run(), before its loop
+        self._first_batch = None  # drawn to compile with; the first step's batch
+        self._pending_bad = None  # the bad-step counter of the step in flight
+        self._skipped_at_start = int(host_value(self.state.skipped))
+        self._flops_per_token = flops_per_token(config.model, t.seq_len)
+        self._peak = config.run.peak_tflops or peak_tflops(self.devices[0].device_kind)
+        self._schedule = learning_rate_schedule(t)
+        if self.step >= t.steps:
+            if self.is_main:
+                print(
+                    f"maxmoe: run.dir {self.run_dir} already finished step {self.step} of {t.steps}; "
+                    f"raise train.steps to continue"
+                )
+            return
+        self.logger = MetricsLogger(
+            self.run_dir,
+            enabled=self.is_main,
+            total_steps=t.steps,
+            start_step=self.step,
+            tensorboard=config.run.tensorboard,
+            progress=config.run.progress,
+        )
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(config.to_yaml())
+            xla_flags.write_effective(self.run_dir, flags)
+            shape = " x ".join(f"{k}={v}" for k, v in self.layout.shape.items())
+            self.logger.message(
+                f"maxmoe: {len(self.devices)} {self.devices[0].platform} device(s), mesh {shape}, "
+                f"{self.train_data.description}, steps {self.step}->{t.steps}"
+            )
+            for part, choice in (("grouped matmul", self.layout.grouped_matmul), ("attention", self.layout.attention)):
+                self.logger.message(f"maxmoe: {part}: {choice.name} ({choice.reason})")
+
+    # -- data --------------------------------------------------------------------------------
+
+    def _dataset(self, split: str) -> data.BatchIterator:
+        return data.make_dataset(
+            self.config, split=split, process_index=jax.process_index(), process_count=jax.process_count()
+        )
+
+    def _to_device(self, local_batch) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.programs.batch_sharding, np.asarray(local_batch, np.int32))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run has reached train.steps."""
+        return self.step >= self.config.train.steps
+
+    def _compile(self) -> None:
+        """Compile the train step for the first batch ahead of the loop: no step's time (or tokens/s, or ETA) includes it."""
+        self._first_batch = self._to_device(next(self.train_data))
+        self.logger.message("maxmoe: compiling the train step ...")
+        start = time.perf_counter()
+        self._train_step = self.programs.train_step.lower(self.state, self._first_batch).compile()
+        self.logger.message(f"maxmoe: compiled in {time.perf_counter() - start:.1f}s")
+
+    def _next_batch(self) -> jax.Array:
+        batch, self._first_batch = self._first_batch, None
+        return batch if batch is not None else self._to_device(next(self.train_data))
+
+    def run(self, steps: int | None = None) -> list[dict]:
+        """Train `steps` more steps (default: up to train.steps; never past it); returns the records logged.
+
+        Logs every train.log_every steps, evaluates every train.eval_every, checkpoints as
+        checkpoint.every says and at train.steps. Stops early, saving the step it is on, on
+        SIGTERM/SIGINT or after train.max_bad_steps non-finite steps in a row (see `stop_reason`).
+        """
+        t, run_dir = self.config.train, self.run_dir
+        end = t.steps if steps is None else min(t.steps, self.step + max(steps, 0))
+        first_record = len(self.history)
+        self.stop_reason = None
+        profile = self.config.run.profile_steps
+        with self.stop.installed():
+            if self._train_step is None and self.step < end:
+                self._compile()
+            last_time, last_step = time.perf_counter(), self.step
+            while self.step < end:
+                if profile and self.step == profile[0]:
+                    jax.profiler.start_trace(str(run_dir / "profile"))
+                self.state, metrics = self._train_step(self.state, self._next_batch())
+                self.step += 1
+                step = self.step
+                if profile and step == profile[1] + 1:
+                    jax.profiler.stop_trace()
+                if step % t.log_every == 0 or step == t.steps:
+                    now = time.perf_counter()
+                    step_time = (now - last_time) / (step - last_step)
+                    last_time, last_step = now, step
+                    self._log_step(step, {k: host_value(v) for k, v in metrics.items()}, step_time)
+                if step % t.eval_every == 0 or step == t.steps:
+                    self._log({"step": step, "eval_loss": self.evaluate()})
+                    last_time = time.perf_counter()  # evaluation is not training time
+                # Read the previous step's counter so one step stays in flight. Skipped steps left the
+                # parameters as the last finite step made them, so the state saved here is a good one.
+                if self._pending_bad is not None and int(host_value(self._pending_bad)) >= t.max_bad_steps:
+                    self._stop_on_bad_steps()
+                    break
+                self._pending_bad = metrics["bad_steps"]
+                stopping = self.stop.should_stop(step)
+                self.checkpointer.save(step, self.state, self.train_data.get_state(), force=step == t.steps or stopping)
+                if stopping:
+                    self.checkpointer.wait()
+                    self.stop_reason = self.stop.clear()
+                    self.logger.message(
+                        f"maxmoe: {self.stop_reason}: saved step {step} in {self.checkpointer.directory}; exiting"
+                    )
+                    break
+            skipped = int(host_value(self.state.skipped)) - self._skipped_at_start
+            if skipped and (self.finished or self.stop_reason):
+                self.logger.message(
+                    f"maxmoe: {skipped} of the {self.step - self.start_step} steps of this run had a non-finite "
+                    f"loss or gradient norm and were skipped (skipped_steps in {self.logger.path})"
+                )
+        return [r for r in self.history[first_record:] if "loss" in r]
+
+    def _log_step(self, step: int, host: dict, step_time: float) -> None:
+        t = self.config.train
+        tokens_per_s = t.batch_size * t.seq_len / step_time
+        per_device = tokens_per_s / len(self.devices)
+        self.expert_loads.append((step, np.asarray(host["expert_load"])))
+        self._log(
+            {
+                "step": step,
+                **{k: host[k] for k in ("loss", "lm_loss", "mtp_loss", "grad_norm")},
+                "lr": float(self._schedule(step - 1)),
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": step_time,
+                "tflops_per_device": per_device * self._flops_per_token / 1e12,
+                "mfu": mfu(per_device, self._flops_per_token, self._peak),
+                "moe_imbalance": host["moe_imbalance"],
+                "moe_layer_imbalance": host["moe_layer_imbalance"],
+                "router_bias_spread": host["router_bias_spread"],
+                "dropped_frac": host["dropped_frac"],
+                "seq_aux": host["seq_aux"],
+                "skipped_steps": host["skipped"],
+            }
+        )
+
+    def _log(self, record: dict) -> None:
+        self.history.append(self.logger.log(record))
+
+    def _stop_on_bad_steps(self) -> None:
+        t = self.config.train
+        self.save()
+        self.stop_reason = BAD_STEPS
+        if self.is_main:
+            print(
+                f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or gradient "
+                f"norm and were skipped; the last good parameters are saved as step {self.step} in "
+                f"{self.checkpointer.directory}",
+                file=sys.stderr,
+            )
+
+    # -- evaluation, state, saving -----------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """Mean next-token loss (nats, no MTP) over the train.eval_batches held-out batches."""
+        params, router = self.state.params, self.state.router
+        losses = [self.programs.eval_step(params, router, self._to_device(b)) for b in self._dataset("eval")]
+        return float(np.mean([host_value(x) for x in losses]))
+
+    @property
+    def variables(self) -> dict:
+        """{'params', 'router'}: what `maxmoe.model.logits` and `maxmoe.generate` take."""
+        return {"params": self.state.params, "router": self.state.router}
+
+    @property
+    def expert_load(self) -> np.ndarray | None:
+        """Token copies per expert at the last logged step, [MoE layers (main stack, then MTP), experts]."""
+        return self.expert_loads[-1][1] if self.expert_loads else None
+
+    def save(self) -> None:
+        """Checkpoint the current step now and wait until it is on disk."""
+        self.checkpointer.save(self.step, self.state, self.train_data.get_state(), force=True)
+        self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Finish pending saves and close the metrics files; safe to call twice."""
+        if self.logger is not None:
+            self.logger.close()
+        self.checkpointer.close()
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def train(config: Config, devices: Sequence[Any] | None = None) -> int:
+    """Run the job described by `config` to train.steps; returns the process exit status.
+
+    0 when done or stopped by SIGTERM/SIGINT (saved), 1 when train.max_bad_steps stopped it.
+    Signal handlers are installed once the run is set up (compiling included) and restored on return.
+    """
+    with Trainer(config, devices) as trainer, trainer.stop.installed():
+        if trainer.finished:
+            return 0  # the Trainer said so
+        trainer.run()
+        return 1 if trainer.stop_reason == BAD_STEPS else 0
