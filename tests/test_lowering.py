@@ -170,10 +170,10 @@ def test_chain_checker_sees_a_coupling():
 def test_batch_split_lowers_two_independent_dispatch_chains(overlap, num_chains):
     markers = marker_dependencies(moe_layer_text(overlap))
     kinds = [m.kind for m in markers.values()]
-    # Per chain: dispatch and combine forward, their transposes backward; gate, up and down
-    # forward, two GEMMs each backward.
+    # Per chain: dispatch and combine forward, their transposes backward; the fused gate/up
+    # GEMM and the down GEMM forward, two GEMMs each backward.
     assert kinds.count("ragged_all_to_all") == 4 * num_chains
-    assert kinds.count("ragged_dot") == 9 * num_chains
+    assert kinds.count("ragged_dot") == 6 * num_chains
     chains, coupled = independent_chains(markers)
-    assert sorted(len(c) for c in chains) == [9] * num_chains
+    assert sorted(len(c) for c in chains) == [6] * num_chains
     assert not coupled  # no half's all-to-all waits on the other half's expert GEMMs
