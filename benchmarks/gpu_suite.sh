@@ -107,21 +107,21 @@ if attention:
         detail = f"{num(r['ms'], '.2f')} ms, temp {num(r['temp_gb'], '.2f')} GB" if r["status"] == "ok" else r["status"]
         value = f"{r['tflops']:.1f} TFLOP/s" if r["tflops"] is not None else "-"
         rows.append((f"attention {r['case']}", r["impl"], value, detail))
-for r in remat["runs"] if remat else []:
-    if "error" in r:
-        rows.append(("remat", r["variant"], "-", f"failed: {r['error']}"))
-        continue
-    mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
-    rows.append(("remat", r["variant"], f"{r['tokens_per_s']:.0f} tok/s",
-                 f"{r['tflops_per_device']:.1f} TFLOP/s/dev, {mfu}, memory {num(r['memory_total'], '.3g')} B"))
-if step:
-    for r in step["runs"]:
+
+
+def step_rows(part, runs, detail):
+    """One row per timed training step: tokens/s, and `detail` of the run beside TFLOP/s and MFU."""
+    for r in runs:
         if "error" in r:
-            rows.append(("step", r["variant"], "-", f"failed: {r['error']}"))
+            rows.append((part, r["variant"], "-", f"failed: {r['error']}"))
             continue
         mfu = f"MFU {r['mfu']:.3f}" if r["mfu"] is not None else "MFU n/a"
-        rows.append(("step", r["variant"], f"{r['tokens_per_s']:.0f} tok/s",
-                     f"{r['kernels']}, {r['tflops_per_device']:.1f} TFLOP/s/dev, {mfu}"))
+        rows.append((part, r["variant"], f"{r['tokens_per_s']:.0f} tok/s",
+                     detail(r, f"{r['tflops_per_device']:.1f} TFLOP/s/dev, {mfu}")))
+
+
+step_rows("remat", remat["runs"] if remat else [], lambda r, perf: f"{perf}, memory {num(r['memory_total'], '.3g')} B")
+step_rows("step", step["runs"] if step else [], lambda r, perf: f"{r['kernels']}, {perf}")
 for line in failed:
     rows.append(("part failed", line, "-", ""))
 first = grouped or attention or step or {}
