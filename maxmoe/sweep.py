@@ -102,8 +102,8 @@ def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | Non
     boxed = step_lib.abstract_state(config, make_optimizer(config.train), boxed=True)  # the same for every shape
     batch = (config.train.batch_size, config.train.seq_len + 1)
     for sizes in meshes or factorisations(len(devices)):
-        shaped = with_mesh(config, sizes)
         try:
+            shaped = with_mesh(config, sizes)  # validated: the model or batch may not divide
             resolve_shape(shaped, len(devices))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
