@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.parallel.collectives import EMULATED_OFFSETS, ragged_all_to_all_impl
+from maxmoe.parallel.fp8_matmul import fp8_grouped_swiglu
 from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
 
 DISPATCH_COUNTS = "moe_dispatch_counts"
@@ -47,8 +48,13 @@ COMM_NAMES = (DISPATCH_COUNTS, DISPATCH_ROWS, DISPATCH_META, COMBINE_ROWS, EMULA
 EXPERT_MATMUL_NAMES = (EXPERT_GATE_UP,)
 
 
-def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot"):
-    """SwiGLU of each row through its group's expert; rows sorted by expert (gate and up as one GEMM)."""
+def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot", fp8="none"):
+    """SwiGLU of each row through its group's expert; rows sorted by expert (gate and up as one GEMM).
+
+    fp8: "none" or a recipe of maxmoe.parallel.fp8_matmul for both grouped GEMMs.
+    """
+    if fp8 != "none":
+        return fp8_grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, fp8, backend)
     return grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend=backend)
 
 
@@ -114,6 +120,7 @@ def ragged_a2a_shard(
     a2a_impl,
     backend,
     a2a_chunks=1,
+    fp8="none",
 ):
     """Dropless (or buffer-bounded) dispatch with two ragged all-to-alls over `expert_axis`.
 
@@ -169,7 +176,7 @@ def ragged_a2a_shard(
     block_M = jnp.searchsorted(block_ends, jnp.arange(buffer_rows, dtype=block_ends.dtype), side="right")
     local_expert_M = jnp.where(block_M < ranks * local, block_M % local, local)
     regroup = jnp.argsort(local_expert_M, stable=True)
-    out_MD = expert_swiglu(receive_MD[regroup], kept_SL.sum(0), w_gate_LDF, w_up_LDF, w_down_LFD, backend)
+    out_MD = expert_swiglu(receive_MD[regroup], kept_SL.sum(0), w_gate_LDF, w_up_LDF, w_down_LFD, backend, fp8)
     out_MD = out_MD[inverse_permutation(regroup)]
 
     returned_MD = ragged_all_to_all(
@@ -192,7 +199,7 @@ def ragged_a2a_shard(
 
 
 def allgather_shard(
-    x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *, num_experts, expert_axis, backend
+    x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *, num_experts, expert_axis, backend, fp8="none"
 ):
     """All-gather tokens over `expert_axis`, run the local experts, reduce-scatter back."""
     n, k = expert_ids_nK.shape
@@ -209,7 +216,7 @@ def allgather_shard(
     order = jnp.argsort(local_ids, stable=True)  # copies for other ranks sort last
     rows = min(ranks * n * k, dropless_rows(n, k, local, ranks))
     out_MD = expert_swiglu(
-        all_x_ND[order[:rows] // k], count_copies(local_ids, local), w_gate_LDF, w_up_LDF, w_down_LFD, backend
+        all_x_ND[order[:rows] // k], count_copies(local_ids, local), w_gate_LDF, w_up_LDF, w_down_LFD, backend, fp8
     )
     out_MD = jnp.concatenate([out_MD, jnp.zeros((ranks * n * k - rows,) + out_MD.shape[1:], out_MD.dtype)])
     partial_ND = combine(out_MD[inverse_permutation(order)], all_weights_NK)
