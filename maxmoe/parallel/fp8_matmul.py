@@ -105,6 +105,28 @@ def _mx_dot(a_MK, b_KN):
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
 
+def _varying_axes(x) -> frozenset:
+    """The shard_map axes x varies over (empty outside shard_map)."""
+    manual = getattr(jax.typeof(x), "mat", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _vary_alike(*arrays):
+    """The arrays made to vary over the same shard_map axes (the union of theirs).
+
+    Inside shard_map a custom VJP must return each cotangent varying exactly as its input. The
+    weights are replicated over the data axes while the activations vary over them, so the
+    weight gradient computed from them varies too; casting the weights to varying first makes
+    autodiff sum that gradient over the data axes, as it does for a plain matmul.
+    """
+    union = frozenset().union(*(_varying_axes(a) for a in arrays))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - _varying_axes(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
 def fp8_matmul(x, w_KN, recipe: str):
     """x [..., K] @ w [K, N] with every GEMM of forward and backward in fp8 (`recipe` in RECIPES).
 
@@ -113,6 +135,7 @@ def fp8_matmul(x, w_KN, recipe: str):
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
     lead = x.shape[:-1]
+    x, w_KN = _vary_alike(x, w_KN)
     y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe)
     return y_MN.reshape(*lead, w_KN.shape[1])
 
@@ -168,9 +191,11 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str):
         partial_MN = jax.lax.ragged_dot(aq_MT, bq_GTN, group_sizes_G, preferred_element_type=jnp.float32)
         return acc_MN + partial_MN * a_scale_M[:, None] * b_cols_GN[groups_M], None
 
-    acc, _ = jax.lax.scan(
-        add_block, jnp.zeros((m, n), jnp.float32), (aq_BMT, bq_BGTN, a_scale.T, b_cols_GBN.transpose(1, 0, 2))
-    )
+    blocks_in = (aq_BMT, bq_BGTN, a_scale.T, b_cols_GBN.transpose(1, 0, 2))
+    # The first block starts the sum (a zeros carry would not vary over a shard_map's axes as the
+    # blocks do); a scan adds the others.
+    first, _ = add_block(0.0, jax.tree.map(lambda a: a[0], blocks_in))
+    acc, _ = jax.lax.scan(add_block, first, jax.tree.map(lambda a: a[1:], blocks_in))
     return acc
 
 
@@ -202,6 +227,7 @@ def fp8_grouped_matmul(x_MD, w_GDF, group_sizes_G, recipe: str, backend: str = "
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
+    x_MD, w_GDF, group_sizes_G = _vary_alike(x_MD, w_GDF, group_sizes_G)
     return _grouped(x_MD, w_GDF, group_sizes_G, recipe, backend)
 
 
