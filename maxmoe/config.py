@@ -140,6 +140,11 @@ class MoEConfig:
     emulate_ragged_a2a: str = _field(
         "auto", choices=("auto", "true", "false"), doc="auto: emulate where the backend lacks ragged all-to-all"
     )
+    fp8_dispatch: bool = _field(
+        False,
+        doc="with model.fp8: the dispatch all-to-all moves rows in e4m3 plus scales (about half the bytes); "
+        "the combine stays in the compute dtype",
+    )
     bias_update_rate: float = _field(
         0.001, ge=0, doc="aux-loss-free balancing: router bias step per training step (DeepSeek-V3: 0.001)"
     )
@@ -581,6 +586,11 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"model.fp8={m.fp8} runs the experts' grouped GEMM in FP8; moe.dispatch=capacity has no grouped "
             f"GEMM (use ragged_a2a or allgather)"
+        )
+    if config.moe.fp8_dispatch and (m.fp8 == "none" or config.moe.dispatch not in ("auto", "ragged_a2a")):
+        raise ConfigError(
+            f"moe.fp8_dispatch=true needs model.fp8 set and moe.dispatch=ragged_a2a (or auto); "
+            f"got model.fp8={m.fp8}, moe.dispatch={config.moe.dispatch}"
         )
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")

@@ -161,6 +161,8 @@ class DispatchPlan:
             bound, so with bounded buffers each half drops on its own.
         a2a_chunks: ragged_a2a: slices per (source, destination) block in each ragged
             all-to-all (the collective gets a2a_chunks x P slices; rows land where they did).
+        fp8_dispatch: ragged_a2a sends the rows in fp8 with their scales when the experts run
+            an fp8 recipe (`maxmoe.parallel.fp8_dispatch`).
     """
 
     mesh: Mesh
@@ -174,6 +176,7 @@ class DispatchPlan:
     grouped_matmul: str = "ragged_dot"
     overlap: str = "none"
     a2a_chunks: int = 1
+    fp8_dispatch: bool = False
 
     def __post_init__(self):
         if self.a2a_impl not in RAGGED_A2A_IMPLS:
@@ -243,6 +246,7 @@ class DispatchPlan:
                     backend=self.grouped_matmul,
                     a2a_chunks=self.a2a_chunks,
                     fp8=fp8,
+                    fp8_dispatch=self.fp8_dispatch and fp8 != "none",
                 )
             elif self.strategy == "allgather":
                 run = functools.partial(
@@ -371,4 +375,5 @@ def make_dispatch_plan(
         or (moe_config.grouped_matmul if moe_config.grouped_matmul != "auto" else "ragged_dot"),
         overlap=moe_config.overlap,
         a2a_chunks=moe_config.a2a_chunks,
+        fp8_dispatch=moe_config.fp8_dispatch,
     )

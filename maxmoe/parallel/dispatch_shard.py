@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.parallel.collectives import EMULATED_OFFSETS, ragged_all_to_all_impl
+from maxmoe.parallel.fp8_dispatch import fp8_ragged_exchange
 from maxmoe.parallel.fp8_matmul import fp8_grouped_swiglu
 from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
 
@@ -121,6 +122,7 @@ def ragged_a2a_shard(
     backend,
     a2a_chunks=1,
     fp8="none",
+    fp8_dispatch=False,
 ):
     """Dropless (or buffer-bounded) dispatch with two ragged all-to-alls over `expert_axis`.
 
@@ -131,6 +133,8 @@ def ragged_a2a_shard(
     ragged all-to-all (`maxmoe.parallel.collectives.RAGGED_A2A_IMPLS`). With `a2a_chunks`
     = c > 1 each (source, rank) block travels as c consecutive slices of the same
     collective (c x P slices, `chunk_slices`); which rows go where is unchanged.
+    With `fp8_dispatch` the rows go out in fp8 with their scales
+    (`maxmoe.parallel.fp8_dispatch`; `fp8` names the recipe); they come back in their own dtype.
     """
     ragged_all_to_all = ragged_all_to_all_impl(a2a_impl)
     n, k = expert_ids_nK.shape
@@ -158,15 +162,28 @@ def ragged_a2a_shard(
     send_offsets, _ = chunk_slices(recv_offset_SR[me], sent_SR[me], a2a_chunks)
     back_starts, recv_sizes = chunk_slices(recv_offset_SR[:, me], sent_SR[:, me], a2a_chunks)
     back_offsets, _ = chunk_slices(send_start_SR[:, me], sent_SR[:, me], a2a_chunks)
-    receive_MD = ragged_all_to_all(
-        sorted_rows_MD,
-        jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
-        send_starts,
-        send_sizes,
-        send_offsets,
-        recv_sizes,
-        axis_name=expert_axis,
-    )
+    if fp8_dispatch:
+        receive_MD = fp8_ragged_exchange(
+            sorted_rows_MD,
+            send_starts,
+            send_sizes,
+            send_offsets,
+            recv_sizes,
+            buffer_rows=buffer_rows,
+            axis_name=expert_axis,
+            a2a_impl=a2a_impl,
+            recipe=fp8,
+        )
+    else:
+        receive_MD = ragged_all_to_all(
+            sorted_rows_MD,
+            jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
+            send_starts,
+            send_sizes,
+            send_offsets,
+            recv_sizes,
+            axis_name=expert_axis,
+        )
     receive_MD = checkpoint_name(receive_MD, DISPATCH_ROWS)
 
     # Regroup the received rows by local expert (stable: source-major inside an expert).
