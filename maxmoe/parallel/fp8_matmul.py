@@ -20,8 +20,9 @@ Master weights stay float32 (callers cast), operands arrive in the compute dtype
 leave in the dtypes of the operands. Inputs are saved for the backward pass unquantised.
 
 Grouped GEMM (rows sorted by group, as `maxmoe.parallel.grouped_matmul`): tensorwise and
-blockwise run `jax.lax.ragged_dot` on fp8 operands whatever `moe.grouped_matmul` says (the
-Mosaic GPU kernels take bf16 only); activation scales are per row (per 128 columns), weight
+blockwise run `jax.lax.ragged_dot` on fp8 operands (on GPU XLA rewrites it into a dense dot of
+G x the FLOPs), except that tensorwise with a bf16-only kernel (`moe.grouped_matmul=mosaic_gpu`
+or tokamax) gives it the fp8 values as bf16, exact, and rescales; activation scales are per row (per 128 columns), weight
 scales per group (per block). The weight gradient's contraction runs over each group's rows,
 so its scales are one per (group, column) there (blockwise) rather than 128-row tiles, which
 would need a partial sum per tile. mxfp8 rounds operands to MXFP8 and runs the configured
@@ -43,6 +44,9 @@ from maxmoe.parallel.grouped_matmul import grouped_matmul
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 TILE = 128  # DeepSeek-V3's tile and block edge
 MX_BLOCK = 32  # OCP MX block
+# Grouped kernels that take bf16 only (jax's Mosaic GPU ragged dot, tokamax): tensorwise feeds them
+# the fp8 values as bf16 rather than XLA's ragged_dot, which on GPU costs G x the FLOPs.
+BF16_KERNELS = ("mosaic_gpu", "tokamax")
 
 # Per recipe and GEMM: (lhs dtype, lhs block, rhs dtype, rhs block); the lhs contraction is its
 # columns, the rhs contraction its rows. 0 = the whole dimension.
@@ -168,7 +172,7 @@ def row_groups(group_sizes_G, rows: int):
     return jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(rows), side="right").astype(jnp.int32)
 
 
-def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str):
+def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend: str = "ragged_dot"):
     """Row m of a times b[group of m] in float32, both operands fp8 along K."""
     a_dtype, a_block, b_dtype, b_block = GEMMS[recipe][gemm]
     g, k, n = b_GKN.shape
@@ -176,7 +180,14 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str):
     aq, a_scale = quantize(a_MK, a_dtype, a_block)
     if recipe == "tensorwise":  # one scale for all the groups' weights together
         bq_GKN, b_scale = quantize(b_GKN.reshape(g * k, n), b_dtype, b_block)
-        out = jax.lax.ragged_dot(aq, bq_GKN.reshape(g, k, n), group_sizes_G, preferred_element_type=jnp.float32)
+        bq_GKN = bq_GKN.reshape(g, k, n)
+        if backend in BF16_KERNELS:
+            # Every e4m3 / e5m2 value is a bfloat16 value and the scales factor out of the sum:
+            # the bf16 kernel computes the fp8 GEMM's exact products, only not at fp8 speed.
+            out = grouped_matmul(aq.astype(jnp.bfloat16), bq_GKN.astype(jnp.bfloat16), group_sizes_G, backend=backend)
+            out = out.astype(jnp.float32)
+        else:
+            out = jax.lax.ragged_dot(aq, bq_GKN, group_sizes_G, preferred_element_type=jnp.float32)
         return out * a_scale * b_scale
     bq_GKN, b_scale = jax.vmap(lambda b: quantize(b, b_dtype, b_block))(b_GKN)
     blocks = a_scale.shape[1]
@@ -222,8 +233,9 @@ def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str):
 def fp8_grouped_matmul(x_MD, w_GDF, group_sizes_G, recipe: str, backend: str = "ragged_dot"):
     """`maxmoe.parallel.grouped_matmul.grouped_matmul` with its GEMMs in fp8 (`recipe` in RECIPES).
 
-    `backend` is used by mxfp8 only (on the exactly rounded bf16/f32 values); tensorwise and
-    blockwise run jax.lax.ragged_dot on fp8 operands. Rows past sum(group_sizes) give zeros.
+    `backend` runs mxfp8 (on the exactly rounded bf16/f32 values) and, when it is a bf16-only
+    kernel (BF16_KERNELS), tensorwise's forward and dx on the fp8 values as bf16; otherwise
+    jax.lax.ragged_dot multiplies fp8 operands. Rows past sum(group_sizes) give zeros.
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
@@ -245,7 +257,7 @@ def _grouped(x_MD, w_GDF, group_sizes_G, recipe, backend):
     if recipe == "mxfp8":
         x = _mx_round(x_MD, (1, MX_BLOCK))
         return grouped_matmul(x, _mx_round_groups(w_GDF), group_sizes_G, backend=backend)
-    return _grouped_scaled(x_MD, w_GDF, group_sizes_G, recipe, "forward").astype(x_MD.dtype)
+    return _grouped_scaled(x_MD, w_GDF, group_sizes_G, recipe, "forward", backend).astype(x_MD.dtype)
 
 
 def _grouped_fwd(x_MD, w_GDF, group_sizes_G, recipe, backend):
@@ -264,7 +276,7 @@ def _grouped_bwd(recipe, backend, saved, dy_MF):
             x_rows, dy_rows, group_sizes_G, _WGRAD_DIMS, precision=jax.lax.Precision.HIGHEST
         )
     else:
-        dx_MD = _grouped_scaled(dy_MF, w_GFD, group_sizes_G, recipe, "dgrad")
+        dx_MD = _grouped_scaled(dy_MF, w_GFD, group_sizes_G, recipe, "dgrad", backend)
         dw_GDF = _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe)
     return dx_MD.astype(x_MD.dtype), dw_GDF.astype(w_GDF.dtype), None
 
