@@ -151,10 +151,11 @@ def test_dry_run_counts_fp8_dispatch_bytes():
     sizes = {"data": 2, "expert": 4, "tensor": 1}
     plain = load_config([TINY], SMALL + ["model.compute_dtype=bfloat16", "model.fp8=blockwise"])
     fp8 = load_config([TINY], SMALL + ["model.compute_dtype=bfloat16", "model.fp8=blockwise", "moe.fp8_dispatch=true"])
-    # one MoE layer, no remat: dispatch + combine forward, both again backward (4 calls of 2 D
-    # bytes a row); the forward dispatch alone becomes D + 4 bytes a row (D = 64: one scale).
-    ratio = dry_run.native_a2a_bytes(fp8, sizes) / dry_run.native_a2a_bytes(plain, sizes)
-    assert ratio == pytest.approx((3 + (64 + 4) / 128) / 4)
+    # one MoE layer, no remat: dispatch + combine forward (2 D bytes a row each), their transposes
+    # backward; the forward dispatch alone becomes D + 4 bytes a row (D = 64: one scale).
+    fp8_bytes, plain_bytes = dry_run.native_a2a_bytes(fp8, sizes), dry_run.native_a2a_bytes(plain, sizes)
+    assert fp8_bytes["backward"] == plain_bytes["backward"]
+    assert fp8_bytes["forward"] / plain_bytes["forward"] == pytest.approx((1 + (64 + 4) / 128) / 2)
 
 
 def test_fp8_dispatch_needs_fp8_and_ragged_a2a():

@@ -37,9 +37,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.parallel.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
-from maxmoe.parallel.grouped_matmul import grouped_matmul
+from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_matmul
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 TILE = 128  # DeepSeek-V3's tile and block edge
@@ -285,9 +286,12 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def fp8_grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, recipe: str, backend: str):
-    """`maxmoe.parallel.grouped_matmul.grouped_swiglu` with its two grouped GEMMs in fp8."""
+    """`maxmoe.parallel.grouped_matmul.grouped_swiglu` with its two grouped GEMMs in fp8 (the gate/up
+    output carries the same name for the remat policies)."""
     f = w_gate_GDF.shape[2]
     w_gate_up_GD2F = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=2)
-    gate_up_M2F = fp8_grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, recipe, backend)
+    gate_up_M2F = checkpoint_name(
+        fp8_grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, recipe, backend), EXPERT_GATE_UP
+    )
     hidden_MF = jax.nn.silu(gate_up_M2F[:, :f]) * gate_up_M2F[:, f:]
     return fp8_grouped_matmul(hidden_MF, w_down_GFD, group_sizes_G, recipe, backend)
