@@ -30,6 +30,7 @@ ATTENTION_IMPLEMENTATIONS = (
     "cudnn",
     "tokamax",
 )  # model/attention_ops, parallel/attention_kernels
+FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")  # maxmoe.parallel.fp8_matmul
 XLA_PROFILES = ("h100", "h200", "b200", "gb200", "gb300")  # GPU systems with a flag profile (maxmoe.xla_flags)
 # What the backward pass keeps instead of recomputing (maxmoe.model.transformer.REMAT_POLICIES).
 REMAT_CHOICES = ("none", "full", "save_matmuls", "save_comm", "save_moe", "save_dots_comm")
@@ -106,6 +107,13 @@ class ModelConfig:
     )
     attention_chunk: int = _field(512, gt=0, doc="chunked attention: block length (largest divisor of T up to this)")
     init_std: float = _field(0.02, gt=0, doc="normal init std of weight matrices")
+    fp8: str = _field(
+        "none",
+        choices=("none",) + FP8_RECIPES,
+        doc="FP8 GEMMs (forward and both gradients) in the dense projections and experts: tensorwise "
+        "(per-tensor scales), blockwise (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks), "
+        "mxfp8 (e8m0 scale per 32); attention core, norms, router, embedding and head stay bf16/f32",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +139,11 @@ class MoEConfig:
     a2a_chunks: int = _field(1, gt=0, doc="ragged_a2a: slices per (source, destination) block of each all-to-all")
     emulate_ragged_a2a: str = _field(
         "auto", choices=("auto", "true", "false"), doc="auto: emulate where the backend lacks ragged all-to-all"
+    )
+    fp8_dispatch: bool = _field(
+        False,
+        doc="with model.fp8: the dispatch all-to-all moves rows in e4m3 plus scales (about half the bytes); "
+        "the combine stays in the compute dtype",
     )
     bias_update_rate: float = _field(
         0.001, ge=0, doc="aux-loss-free balancing: router bias step per training step (DeepSeek-V3: 0.001)"
@@ -569,6 +582,16 @@ def validate(config: Config) -> None:
         allowed = MESH_AXES + ("fsdp",)
         if not isinstance(axes, (list, tuple)) or any(a not in allowed for a in axes):
             raise ConfigError(f"mesh.rules.{logical}={axes!r}: expected a list of {', '.join(allowed)}")
+    if m.fp8 != "none" and config.moe.dispatch == "capacity":
+        raise ConfigError(
+            f"model.fp8={m.fp8} runs the experts' grouped GEMM in FP8; moe.dispatch=capacity has no grouped "
+            f"GEMM (use ragged_a2a or allgather)"
+        )
+    if config.moe.fp8_dispatch and (m.fp8 == "none" or config.moe.dispatch not in ("auto", "ragged_a2a")):
+        raise ConfigError(
+            f"moe.fp8_dispatch=true needs model.fp8 set and moe.dispatch=ragged_a2a (or auto); "
+            f"got model.fp8={m.fp8}, moe.dispatch={config.moe.dispatch}"
+        )
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     _validate_shards(config.data)

@@ -27,6 +27,8 @@ routing, (P-1)/P of the n x K token copies -- written into the same [M, D] outpu
 an upper bound. Either way `native_a2a_bytes` is the analytic figure: n x K x D x bytes x
 (P-1)/P per call, two calls (dispatch, combine) per MoE layer forward, the same two
 transposed backward, and the forward two again where the remat policy recomputes them.
+with `moe.fp8_dispatch` a forward dispatch moves D + 4 D/128 bytes per row (e4m3 values,
+float32 scales; mxfp8: D + D/32).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from maxmoe.flops import flops_per_token
 from maxmoe.hlo import collective_bytes
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
+from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
 from maxmoe.training.programs import build_programs
 
 GB = 1e9
@@ -70,11 +73,16 @@ def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
     if p <= 1:
         return {"forward": 0.0, "backward": 0.0}
     width = 2 if m.compute_dtype == "bfloat16" else 4
-    per_call = tokens_per_shard(config, sizes) * m.experts_per_token * m.hidden_size * width * (p - 1) / p
+    rows = tokens_per_shard(config, sizes) * m.experts_per_token * (p - 1) / p * config.train.grad_accum
+    row_bytes = m.hidden_size * width
+    # moe.fp8_dispatch: each forward dispatch (recomputed ones too; not the combine, not the
+    # transposes) moves e4m3 values and their scales.
+    dispatch_bytes = payload_bytes_per_row(m.hidden_size, m.fp8) if config.moe.fp8_dispatch else row_bytes
     scanned, mtp = m.num_layers - m.first_k_dense, m.mtp_num_layers
-    recomputed = scanned * 2 if m.remat not in ("none",) + COMM_SAVING_POLICIES else 0
-    micro = per_call * config.train.grad_accum
-    return {"forward": micro * 2 * (scanned + mtp), "backward": micro * (2 * (scanned + mtp) + recomputed)}
+    recomputed = scanned if m.remat not in ("none",) + COMM_SAVING_POLICIES else 0
+    forward = rows * (dispatch_bytes + row_bytes) * (scanned + mtp)
+    backward = rows * (2 * row_bytes * (scanned + mtp) + (dispatch_bytes + row_bytes) * recomputed)
+    return {"forward": forward, "backward": backward}
 
 
 def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:

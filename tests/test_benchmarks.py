@@ -33,6 +33,9 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     cases = {(row["part"], row["case"]) for row in suite["table"]}
     for part in ("fwd", "fwd_bwd"):
         assert (f"grouped small {part}", "ragged_dot") in cases and (f"grouped small {part}", "mosaic_gpu") in cases
+    for gemm in ("dense", "grouped"):
+        for recipe in ("bf16", "tensorwise"):
+            assert (f"fp8 small {gemm} fwd_bwd", recipe) in cases
     for impl in ("xla", "chunked", "triton", "cudnn"):
         assert ("attention B=1 H=2 T=64", impl) in cases
     steps = [row for row in suite["table"] if row["part"] == "step"]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.model.attention_ops import chunked_attention, xla_attention
-from maxmoe.model.layers import RMSNorm, constrain, logical_param
+from maxmoe.model.layers import RMSNorm, constrain, logical_param, project
 from maxmoe.model.rope import apply_rope, attention_scale
 from maxmoe.parallel.attention_kernels import kernel
 from maxmoe.parallel.kernel_choice import resolve_attention, target
@@ -54,28 +54,32 @@ class MLA(nn.Module):
         def param(name, shape, axes):
             return logical_param(self, name, shape, axes, std=std).astype(dt)
 
+        def proj(x, w, equation):
+            # model.fp8: the projections run through FP8 GEMMs; the attention core does not.
+            return jnp.einsum(equation, x, w) if c.fp8 == "none" else project(x, w, c.fp8)
+
         x = x_BTD.astype(dt)
         if c.q_lora_rank:
-            q_latent = x @ param("w_q_down", (d, c.q_lora_rank), ("embed", "q_lora"))
+            q_latent = project(x, param("w_q_down", (d, c.q_lora_rank), ("embed", "q_lora")), c.fp8)
             q_latent = RMSNorm(c.rms_norm_eps, "q_lora", name="q_norm")(q_latent)
-            q_BTHK = jnp.einsum(
-                "btl,lhk->bthk",
+            q_BTHK = proj(
                 q_latent,
                 param("w_q_up", (c.q_lora_rank, h, nope + rope), ("q_lora", "heads", "head_dim")),
+                "btl,lhk->bthk",
             )
         else:
-            q_BTHK = jnp.einsum("btd,dhk->bthk", x, param("w_q", (d, h, nope + rope), ("embed", "heads", "head_dim")))
+            q_BTHK = proj(x, param("w_q", (d, h, nope + rope), ("embed", "heads", "head_dim")), "btd,dhk->bthk")
         q_BTHK = constrain(self.layout, q_BTHK, ("batch", "seq", "heads", "head_dim"))
         q_nope, q_rope = q_BTHK[..., :nope], q_BTHK[..., nope:]
 
-        kv_latent = x @ param("w_kv_down", (d, c.kv_lora_rank), ("embed", "kv_lora"))
+        kv_latent = project(x, param("w_kv_down", (d, c.kv_lora_rank), ("embed", "kv_lora")), c.fp8)
         kv_latent = RMSNorm(c.rms_norm_eps, "kv_lora", name="kv_norm")(kv_latent)
-        k_rope_BT1R = (x @ param("w_k_rope", (d, rope), ("embed", "head_dim")))[:, :, None, :]
-        k_nope = jnp.einsum(
-            "btl,lhk->bthk", kv_latent, param("w_k_up", (c.kv_lora_rank, h, nope), ("kv_lora", "heads", "head_dim"))
+        k_rope_BT1R = project(x, param("w_k_rope", (d, rope), ("embed", "head_dim")), c.fp8)[:, :, None, :]
+        k_nope = proj(
+            kv_latent, param("w_k_up", (c.kv_lora_rank, h, nope), ("kv_lora", "heads", "head_dim")), "btl,lhk->bthk"
         )
-        v_BSHK = jnp.einsum(
-            "btl,lhk->bthk", kv_latent, param("w_v_up", (c.kv_lora_rank, h, v), ("kv_lora", "heads", "head_dim"))
+        v_BSHK = proj(
+            kv_latent, param("w_v_up", (c.kv_lora_rank, h, v), ("kv_lora", "heads", "head_dim")), "btl,lhk->bthk"
         )
 
         q_rope = apply_rope(q_rope, positions_BT, c)
@@ -85,4 +89,7 @@ class MLA(nn.Module):
         k = constrain(self.layout, k, ("batch", "seq", "heads", "head_dim"))
         out_BTHK = attention_core(c, self.layout)(q, k, v_BSHK, attention_scale(c))
         out_BTHK = constrain(self.layout, out_BTHK, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bthk,hkd->btd", out_BTHK, param("w_out", (h, v, d), ("heads", "head_dim", "embed")))
+        w_out_HKD = param("w_out", (h, v, d), ("heads", "head_dim", "embed"))
+        if c.fp8 == "none":
+            return jnp.einsum("bthk,hkd->btd", out_BTHK, w_out_HKD)
+        return project(out_BTHK.reshape(*out_BTHK.shape[:2], h * v), w_out_HKD.reshape(h * v, d), c.fp8)

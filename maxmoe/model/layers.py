@@ -1,7 +1,8 @@
 """Building blocks: parameters with logical axes, RMSNorm, embedding, SwiGLU MLP.
 
 Axis legend: B batch, T time, D embed, F mlp, V vocab.
-Parameters are float32; matmuls run in the module's compute dtype.
+Parameters are float32; matmuls run in the module's compute dtype, or in FP8 (`model.fp8`)
+through `project`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from maxmoe.parallel.fp8_matmul import fp8_matmul
 
 
 def logical_param(
@@ -30,6 +33,15 @@ def logical_param(
 def constrain(layout: Any, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Ask the layout (built by maxmoe.mesh) to shard an activation; identity without one."""
     return x if layout is None else layout.constrain(x, tuple(axes))
+
+
+def project(x: jax.Array, w: jax.Array, fp8: str = "none") -> jax.Array:
+    """x [..., K] @ w [K, ...]: the plain matmul for fp8="none", else every GEMM of forward and
+    backward in that FP8 recipe (maxmoe.parallel.fp8_matmul) with w seen as [K, rest]."""
+    if fp8 == "none":
+        return x @ w
+    out = fp8_matmul(x, w.reshape(w.shape[0], -1), fp8)
+    return out.reshape(*x.shape[:-1], *w.shape[1:])
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +82,7 @@ class SwiGLU(nn.Module):
     dtype: Any = jnp.float32
     std: float = 0.02
     layout: Any = None
+    fp8: str = "none"  # model.fp8
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -78,6 +91,6 @@ class SwiGLU(nn.Module):
         w_up_DF = logical_param(self, "w_up", (d, f), ("embed", "mlp"), std=self.std).astype(self.dtype)
         w_down_FD = logical_param(self, "w_down", (f, d), ("mlp", "embed"), std=self.std).astype(self.dtype)
         x = x_BTD.astype(self.dtype)
-        h_BTF = nn.silu(x @ w_gate_DF) * (x @ w_up_DF)
+        h_BTF = nn.silu(project(x, w_gate_DF, self.fp8)) * project(x, w_up_DF, self.fp8)
         h_BTF = constrain(self.layout, h_BTF, ("batch", "seq", "mlp"))
-        return h_BTF @ w_down_FD
+        return project(h_BTF, w_down_FD, self.fp8)

@@ -45,11 +45,13 @@ class MoE(nn.Module):
             w_down_EFD.astype(self.dtype),
             plan=plan,
             grouped_matmul=grouped,
+            fp8=c.fp8,
         )
         dropped_var = self.variable("moe_stats", "dropped", lambda: jnp.zeros((), jnp.float32))
         if not self.is_initializing():
             dropped_var.value = dropped
         out = routed_BTD
         if c.num_shared_experts:
-            out = out + SwiGLU(d, f * c.num_shared_experts, self.dtype, c.init_std, self.layout, name="shared")(x_BTD)
+            shared = SwiGLU(d, f * c.num_shared_experts, self.dtype, c.init_std, self.layout, c.fp8, name="shared")
+            out = out + shared(x_BTD)
         return out

@@ -70,7 +70,7 @@ class Block(nn.Module):
         if self.moe:
             y = MoE(c, self.dtype, self.layout, name="moe")(mlp_in)
         else:
-            y = SwiGLU(c.hidden_size, c.mlp_dim, self.dtype, c.init_std, self.layout, name="mlp")(mlp_in)
+            y = SwiGLU(c.hidden_size, c.mlp_dim, self.dtype, c.init_std, self.layout, c.fp8, name="mlp")(mlp_in)
         out = constrain(self.layout, h + y.astype(h.dtype), ("batch", "seq", "embed"))
         return out, None
 

@@ -89,7 +89,9 @@ __all__ = [
 ]
 
 
-def local_routed_experts(x_ND, expert_ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot"):
+def local_routed_experts(
+    x_ND, expert_ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot", fp8="none"
+):
     """All experts on one device: sort the N*K token copies by expert, grouped matmul, unsort, combine."""
     n, k = expert_ids_NK.shape
     e = w_gate_EDF.shape[0]
@@ -97,18 +99,28 @@ def local_routed_experts(x_ND, expert_ids_NK, weights_NK, w_gate_EDF, w_up_EDF, 
     order = jnp.argsort(flat_ids, stable=True)
     rows_MD = x_ND[order // k]
     group_sizes_E = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
-    out_MD = expert_swiglu(rows_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend)
+    out_MD = expert_swiglu(rows_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend, fp8)
     copies_NKD = jnp.zeros_like(out_MD).at[order].set(out_MD).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", copies_NKD, weights_NK.astype(copies_NKD.dtype))
 
 
 def routed_experts(
-    x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, plan=None, grouped_matmul="ragged_dot"
+    x_BTD,
+    expert_ids_BTK,
+    weights_BTK,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    *,
+    plan=None,
+    grouped_matmul="ragged_dot",
+    fp8="none",
 ):
     """Routed MoE output [B, T, D] and the fraction of token copies dropped.
 
     `plan` is None on one device (all experts local, grouped GEMM `grouped_matmul`);
     otherwise it selects the expert-parallel strategy, the grouped GEMM, and carries the mesh.
+    `fp8` ("none" or a maxmoe.parallel.fp8_matmul recipe) runs the grouped GEMMs in FP8.
     """
     b, t, d = x_BTD.shape
     k = expert_ids_BTK.shape[-1]
@@ -121,9 +133,10 @@ def routed_experts(
             w_up_EDF,
             w_down_EFD,
             grouped_matmul,
+            fp8,
         )
         return y.reshape(b, t, d), jnp.zeros((), jnp.float32)
-    return plan.routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return plan.routed_experts(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, fp8=fp8)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -148,6 +161,8 @@ class DispatchPlan:
             bound, so with bounded buffers each half drops on its own.
         a2a_chunks: ragged_a2a: slices per (source, destination) block in each ragged
             all-to-all (the collective gets a2a_chunks x P slices; rows land where they did).
+        fp8_dispatch: ragged_a2a sends the rows in fp8 with their scales when the experts run
+            an fp8 recipe (`maxmoe.parallel.fp8_dispatch`).
     """
 
     mesh: Mesh
@@ -161,6 +176,7 @@ class DispatchPlan:
     grouped_matmul: str = "ragged_dot"
     overlap: str = "none"
     a2a_chunks: int = 1
+    fp8_dispatch: bool = False
 
     def __post_init__(self):
         if self.a2a_impl not in RAGGED_A2A_IMPLS:
@@ -192,8 +208,10 @@ class DispatchPlan:
         slots = math.ceil(self.capacity_factor * tokens_per_shard * top_k / num_experts)
         return max(1, min(tokens_per_shard, slots))
 
-    def routed_experts(self, x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    def routed_experts(self, x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, fp8="none"):
         """Same result as `local_routed_experts` (up to dropped copies) on global arrays.
+
+        `fp8` runs the grouped GEMMs of ragged_a2a and allgather in that recipe (not capacity's).
 
         Returns:
             y_BTD and the float32 fraction of all token copies dropped (0 when dropless).
@@ -227,6 +245,8 @@ class DispatchPlan:
                     a2a_impl=self.a2a_impl,
                     backend=self.grouped_matmul,
                     a2a_chunks=self.a2a_chunks,
+                    fp8=fp8,
+                    fp8_dispatch=self.fp8_dispatch and fp8 != "none",
                 )
             elif self.strategy == "allgather":
                 run = functools.partial(
@@ -234,8 +254,11 @@ class DispatchPlan:
                     num_experts=num_experts,
                     expert_axis=self.expert_axis,
                     backend=self.grouped_matmul,
+                    fp8=fp8,
                 )
             else:
+                if fp8 != "none":
+                    raise ValueError(f"fp8={fp8!r}: the capacity strategy has no grouped GEMM to run in FP8")
                 run = functools.partial(
                     dispatch_shard.capacity_shard,
                     num_experts=num_experts,
@@ -352,4 +375,5 @@ def make_dispatch_plan(
         or (moe_config.grouped_matmul if moe_config.grouped_matmul != "auto" else "ragged_dot"),
         overlap=moe_config.overlap,
         a2a_chunks=moe_config.a2a_chunks,
+        fp8_dispatch=moe_config.fp8_dispatch,
     )

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.parallel.collectives import EMULATED_OFFSETS, ragged_all_to_all_impl
+from maxmoe.parallel.fp8_dispatch import fp8_ragged_exchange
+from maxmoe.parallel.fp8_matmul import fp8_grouped_swiglu
 from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
 
 DISPATCH_COUNTS = "moe_dispatch_counts"
@@ -47,8 +49,13 @@ COMM_NAMES = (DISPATCH_COUNTS, DISPATCH_ROWS, DISPATCH_META, COMBINE_ROWS, EMULA
 EXPERT_MATMUL_NAMES = (EXPERT_GATE_UP,)
 
 
-def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot"):
-    """SwiGLU of each row through its group's expert; rows sorted by expert (gate and up as one GEMM)."""
+def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot", fp8="none"):
+    """SwiGLU of each row through its group's expert; rows sorted by expert (gate and up as one GEMM).
+
+    fp8: "none" or a recipe of maxmoe.parallel.fp8_matmul for both grouped GEMMs.
+    """
+    if fp8 != "none":
+        return fp8_grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, fp8, backend)
     return grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend=backend)
 
 
@@ -114,6 +121,8 @@ def ragged_a2a_shard(
     a2a_impl,
     backend,
     a2a_chunks=1,
+    fp8="none",
+    fp8_dispatch=False,
 ):
     """Dropless (or buffer-bounded) dispatch with two ragged all-to-alls over `expert_axis`.
 
@@ -124,6 +133,8 @@ def ragged_a2a_shard(
     ragged all-to-all (`maxmoe.parallel.collectives.RAGGED_A2A_IMPLS`). With `a2a_chunks`
     = c > 1 each (source, rank) block travels as c consecutive slices of the same
     collective (c x P slices, `chunk_slices`); which rows go where is unchanged.
+    With `fp8_dispatch` the rows go out in fp8 with their scales
+    (`maxmoe.parallel.fp8_dispatch`; `fp8` names the recipe); they come back in their own dtype.
     """
     ragged_all_to_all = ragged_all_to_all_impl(a2a_impl)
     n, k = expert_ids_nK.shape
@@ -151,15 +162,28 @@ def ragged_a2a_shard(
     send_offsets, _ = chunk_slices(recv_offset_SR[me], sent_SR[me], a2a_chunks)
     back_starts, recv_sizes = chunk_slices(recv_offset_SR[:, me], sent_SR[:, me], a2a_chunks)
     back_offsets, _ = chunk_slices(send_start_SR[:, me], sent_SR[:, me], a2a_chunks)
-    receive_MD = ragged_all_to_all(
-        sorted_rows_MD,
-        jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
-        send_starts,
-        send_sizes,
-        send_offsets,
-        recv_sizes,
-        axis_name=expert_axis,
-    )
+    if fp8_dispatch:
+        receive_MD = fp8_ragged_exchange(
+            sorted_rows_MD,
+            send_starts,
+            send_sizes,
+            send_offsets,
+            recv_sizes,
+            buffer_rows=buffer_rows,
+            axis_name=expert_axis,
+            a2a_impl=a2a_impl,
+            recipe=fp8,
+        )
+    else:
+        receive_MD = ragged_all_to_all(
+            sorted_rows_MD,
+            jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
+            send_starts,
+            send_sizes,
+            send_offsets,
+            recv_sizes,
+            axis_name=expert_axis,
+        )
     receive_MD = checkpoint_name(receive_MD, DISPATCH_ROWS)
 
     # Regroup the received rows by local expert (stable: source-major inside an expert).
@@ -169,7 +193,7 @@ def ragged_a2a_shard(
     block_M = jnp.searchsorted(block_ends, jnp.arange(buffer_rows, dtype=block_ends.dtype), side="right")
     local_expert_M = jnp.where(block_M < ranks * local, block_M % local, local)
     regroup = jnp.argsort(local_expert_M, stable=True)
-    out_MD = expert_swiglu(receive_MD[regroup], kept_SL.sum(0), w_gate_LDF, w_up_LDF, w_down_LFD, backend)
+    out_MD = expert_swiglu(receive_MD[regroup], kept_SL.sum(0), w_gate_LDF, w_up_LDF, w_down_LFD, backend, fp8)
     out_MD = out_MD[inverse_permutation(regroup)]
 
     returned_MD = ragged_all_to_all(
@@ -192,7 +216,7 @@ def ragged_a2a_shard(
 
 
 def allgather_shard(
-    x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *, num_experts, expert_axis, backend
+    x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF, w_down_LFD, *, num_experts, expert_axis, backend, fp8="none"
 ):
     """All-gather tokens over `expert_axis`, run the local experts, reduce-scatter back."""
     n, k = expert_ids_nK.shape
@@ -209,7 +233,7 @@ def allgather_shard(
     order = jnp.argsort(local_ids, stable=True)  # copies for other ranks sort last
     rows = min(ranks * n * k, dropless_rows(n, k, local, ranks))
     out_MD = expert_swiglu(
-        all_x_ND[order[:rows] // k], count_copies(local_ids, local), w_gate_LDF, w_up_LDF, w_down_LFD, backend
+        all_x_ND[order[:rows] // k], count_copies(local_ids, local), w_gate_LDF, w_up_LDF, w_down_LFD, backend, fp8
     )
     out_MD = jnp.concatenate([out_MD, jnp.zeros((ranks * n * k - rows,) + out_MD.shape[1:], out_MD.dtype)])
     partial_ND = combine(out_MD[inverse_permutation(order)], all_weights_NK)

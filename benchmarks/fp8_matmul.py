@@ -1,0 +1,161 @@
+"""FP8 GEMMs (`model.fp8` recipes) against bf16: a dense projection and the experts' grouped GEMM.
+
+    PYTHONPATH=. python benchmarks/fp8_matmul.py [--shape 671b] [--recipe tensorwise ...]
+        [--repeats 10] [--json OUT]
+
+Shapes (dense: [M, K] x [K, N]; grouped: M rows, the first half in balanced groups, [G, D, F]):
+  671b    dense M=16,384 K=7,168 N=2,048 (one GPU's tokens through a 671B projection);
+          grouped M=65,536 G=4 D=7,168 F=2,048 (one GPU of the 671B plan)
+  small   dense M=256 K=256 N=128; grouped M=256 G=8 D=128 F=64 (the CPU smoke test)
+Per recipe (bf16 is the plain matmul / `jax.lax.ragged_dot`): ms and TFLOP/s on the useful
+FLOPs (2 M K N forward, 3 x that forward+backward), and the ratio to bf16. The FP8 rows run
+`maxmoe.parallel.fp8_matmul` as training does: quantisation of every operand included.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from grouped_matmul import timed
+
+SHAPES = {
+    "671b": {"dense": dict(m=16384, k=7168, n=2048), "grouped": dict(rows=65536, groups=4, d=7168, f=2048)},
+    "small": {"dense": dict(m=256, k=256, n=128), "grouped": dict(rows=256, groups=8, d=128, f=64)},
+}
+RECIPES = ("bf16", "tensorwise", "blockwise", "mxfp8")
+
+
+def _functions(kind, recipe):
+    """(forward, forward+backward) of fn(a, b, sizes, cotangent) for one GEMM kind and recipe."""
+    import jax
+    import jax.numpy as jnp
+
+    from maxmoe.parallel.fp8_matmul import fp8_grouped_matmul, fp8_matmul
+
+    def forward(a, b, sizes, ct):
+        del ct
+        if kind == "dense":
+            return a @ b if recipe == "bf16" else fp8_matmul(a, b, recipe)
+        if recipe == "bf16":
+            return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+        return fp8_grouped_matmul(a, b, sizes, recipe)
+
+    def loss(a, b, sizes, ct):
+        return jnp.sum(forward(a, b, sizes, ct).astype(jnp.float32) * ct)
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def run_shape(name, shape, recipes, repeats, emit=lambda rows: None):
+    """Rows of the table for one shape: dense then grouped, one row per recipe; `emit(rows so far)`
+    after each, so that a run cut short by a timeout keeps what it measured."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    dense, grouped = shape["dense"], shape["grouped"]
+    m, k, n = dense["m"], dense["k"], dense["n"]
+    cases = {
+        "dense": (
+            (
+                jax.random.normal(keys[0], (m, k), jnp.bfloat16),
+                (jax.random.normal(keys[1], (k, n)) / k**0.5).astype(jnp.bfloat16),
+                jnp.zeros((1,), jnp.int32),
+                jax.random.normal(keys[2], (m, n), jnp.float32),
+            ),
+            2 * m * k * n,
+        )
+    }
+    rows_, g, d, f = grouped["rows"], grouped["groups"], grouped["d"], grouped["f"]
+    valid = rows_ // 2 // g * g
+    cases["grouped"] = (
+        (
+            jax.random.normal(keys[3], (rows_, d), jnp.bfloat16),
+            (jax.random.normal(keys[4], (g, d, f)) / d**0.5).astype(jnp.bfloat16),
+            jnp.full((g,), valid // g, jnp.int32),
+            jax.random.normal(keys[5], (rows_, f), jnp.float32),
+        ),
+        2 * valid * d * f,
+    )
+    out = []
+    for kind, (args, useful) in cases.items():
+        base = {}
+        for recipe in recipes:
+            row = {"shape": name, "kind": kind, "recipe": recipe, "useful_gflop": useful / 1e9}
+            forward, forward_backward = _functions(kind, recipe)
+            for part, fn, factor in (("fwd", forward, 1), ("fwd_bwd", forward_backward, 3)):
+                try:
+                    seconds = timed(fn, args, repeats)
+                    tflops = factor * useful / seconds / 1e12
+                    row[part] = {"ms": seconds * 1e3, "tflops": tflops, "status": "ok"}
+                except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
+                    message = str(e).splitlines()[0][:120] if str(e) else ""
+                    row[part] = {"ms": None, "tflops": None, "status": f"failed: {type(e).__name__}: {message}"}
+                if recipe == "bf16":
+                    base[part] = row[part]["tflops"]
+                tf = row[part]["tflops"]
+                row[part]["vs_bf16"] = tf / base[part] if tf and base.get(part) else None
+            out.append(row)
+            emit(out)
+    return out
+
+
+def format_table(rows):
+    def cell(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    head = (
+        f"{'shape':<6} {'gemm':<8} {'recipe':<11} {'fwd ms':>9} {'TFLOP/s':>8} {'x bf16':>6} "
+        f"{'f+b ms':>9} {'TFLOP/s':>8} {'x bf16':>6}  status"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        f, b = r["fwd"], r["fwd_bwd"]
+        status = f["status"] if f["status"] == b["status"] else f"{f['status']} / {b['status']}"
+        lines.append(
+            f"{r['shape']:<6} {r['kind']:<8} {r['recipe']:<11} {cell(f['ms'], '9.3f'):>9} "
+            f"{cell(f['tflops'], '8.1f'):>8} {cell(f['vs_bf16'], '6.2f'):>6} {cell(b['ms'], '9.3f'):>9} "
+            f"{cell(b['tflops'], '8.1f'):>8} {cell(b['vs_bf16'], '6.2f'):>6}  {status}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable; default 671b")
+    parser.add_argument("--recipe", action="append", choices=RECIPES[1:], help="repeatable; default: all")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.repeats <= 0:
+        parser.error("--repeats must be positive")
+    import jax
+
+    recipes = ["bf16"] + (args.recipe or list(RECIPES[1:]))
+    command = " ".join(
+        shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
+    )
+    device = jax.devices()[0]
+
+    def write(rows):
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            result = {"command": command, "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows}
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+    rows = []
+    for name in args.shape or ["671b"]:
+        done = list(rows)
+        rows += run_shape(name, SHAPES[name], recipes, args.repeats, lambda new, done=done: write(done + new))
+    print(f"$ {command}")
+    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, operands bf16")
+    print(format_table(rows))
+    write(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

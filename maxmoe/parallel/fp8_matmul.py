@@ -1,0 +1,297 @@
+"""FP8 GEMMs with their own VJP: dense projections and the grouped expert GEMM (`model.fp8`).
+
+Every GEMM of a layer (forward y = x @ w, input gradient dx = dy @ w^T, weight gradient
+dw = x^T @ dy) quantises both operands along its own contraction axis, multiplies the fp8
+values with float32 accumulation, and rescales (`maxmoe.parallel.fp8_quant` has the blocks):
+
+| recipe | forward | dx | dw | GEMM program |
+|---|---|---|---|---|
+| tensorwise | e4m3 x e4m3 | e5m2 x e4m3 | e4m3 x e5m2 | one dot of fp8 operands (cuBLASLt on Hopper) |
+| blockwise | e4m3 1x128 x 128x128 | same, w^T's blocks | e4m3 128x1 x 128x1 | one fp8 dot per 128 of the contraction, scaled and summed in f32 |
+| mxfp8 | e4m3 1x32 x 32x1, e8m0 scales | same | same | `jax.nn.scaled_matmul` on CUDA; elsewhere the dequantised values, exact in f32 |
+
+Blockwise is DeepSeek-V3's recipe: a scale per 1x128 activation tile and per 128x128 weight
+block changes along the contraction every 128 elements, so the program multiplies each
+128-wide slice of the contraction separately and adds the scaled partial sums in float32 (the
+"promotion" of DeepSeek-V3's kernels). XLA has no fused kernel for that: it materialises the
+K/128 partial products, which costs memory and bandwidth; the numerics are the recipe's.
+MXFP8's scales are powers of two, so a dequantised value is exact in bfloat16 and float32.
+Master weights stay float32 (callers cast), operands arrive in the compute dtype, gradients
+leave in the dtypes of the operands. Inputs are saved for the backward pass unquantised.
+
+Grouped GEMM (rows sorted by group, as `maxmoe.parallel.grouped_matmul`): tensorwise and
+blockwise run `jax.lax.ragged_dot` on fp8 operands (on GPU XLA rewrites it into a dense dot of
+G x the FLOPs), except that tensorwise with a bf16-only kernel (`moe.grouped_matmul=mosaic_gpu`
+or tokamax) gives it the fp8 values as bf16, exact, and rescales; activation scales are per row (per 128 columns), weight
+scales per group (per block). The weight gradient's contraction runs over each group's rows,
+so its scales are one per (group, column) there (blockwise) rather than 128-row tiles, which
+would need a partial sum per tile. mxfp8 rounds operands to MXFP8 and runs the configured
+grouped backend on the exact bfloat16 values.
+
+Legend: M rows, K contraction, N output columns, D embed, F expert_mlp, G groups.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from maxmoe.parallel.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
+from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_matmul
+
+RECIPES = ("tensorwise", "blockwise", "mxfp8")
+TILE = 128  # DeepSeek-V3's tile and block edge
+MX_BLOCK = 32  # OCP MX block
+# Grouped kernels that take bf16 only (jax's Mosaic GPU ragged dot, tokamax): tensorwise feeds them
+# the fp8 values as bf16 rather than XLA's ragged_dot, which on GPU costs G x the FLOPs.
+BF16_KERNELS = ("mosaic_gpu", "tokamax")
+
+# Per recipe and GEMM: (lhs dtype, lhs block, rhs dtype, rhs block); the lhs contraction is its
+# columns, the rhs contraction its rows. 0 = the whole dimension.
+GEMMS = {
+    "tensorwise": {
+        "forward": (E4M3, (0, 0), E4M3, (0, 0)),
+        "dgrad": (E5M2, (0, 0), E4M3, (0, 0)),
+        "wgrad": (E4M3, (0, 0), E5M2, (0, 0)),
+    },
+    "blockwise": {
+        "forward": (E4M3, (1, TILE), E4M3, (TILE, TILE)),
+        "dgrad": (E4M3, (1, TILE), E4M3, (TILE, TILE)),
+        "wgrad": (E4M3, (1, TILE), E4M3, (TILE, 1)),
+    },
+    "mxfp8": dict.fromkeys(("forward", "dgrad", "wgrad"), (E4M3, (1, MX_BLOCK), E4M3, (MX_BLOCK, 1))),
+}
+
+
+def scaled_dot(a_MK, b_KN, recipe: str, gemm: str):
+    """a @ b in float32 through `recipe`'s fp8 `gemm` ('forward', 'dgrad' or 'wgrad')."""
+    if recipe == "mxfp8":
+        return _mx_dot(a_MK, b_KN)
+    a_dtype, a_block, b_dtype, b_block = GEMMS[recipe][gemm]
+    aq, a_scale = quantize(a_MK, a_dtype, a_block)
+    bq, b_scale = quantize(b_KN, b_dtype, b_block)
+    m, k = a_MK.shape
+    n = b_KN.shape[1]
+    a_rows = expand_scales(a_scale, (m, a_scale.shape[1]), (a_block[0], 1))  # [M, Kb]
+    b_cols = expand_scales(b_scale, (b_scale.shape[0], n), (1, b_block[1]))  # [Kb, N]
+    if a_block[1] == 0:
+        out = jax.lax.dot(aq, bq, preferred_element_type=jnp.float32)
+        return out * a_rows * b_cols
+    blocks = a_scale.shape[1]
+    pad = blocks * TILE - k
+    aq_MBT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE)
+    bq_BTN = jnp.pad(bq, ((0, pad), (0, 0))).reshape(blocks, TILE, n)
+    partial_BMN = jax.lax.dot_general(aq_MBT, bq_BTN, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
+    return jnp.einsum("bmn,mb,bn->mn", partial_BMN, a_rows, b_cols)
+
+
+def _mx_dot(a_MK, b_KN):
+    """MXFP8 a @ b: jax.nn.scaled_matmul (cuDNN) on CUDA, the exact dequantised product elsewhere."""
+    k = a_MK.shape[1]
+    pad = -k % MX_BLOCK  # scaled_matmul infers the block from K / scales: K must be whole blocks
+    a_MK = jnp.pad(a_MK, ((0, 0), (0, pad)))
+    b_KN = jnp.pad(b_KN, ((0, pad), (0, 0)))
+    aq, a_scale = quantize(a_MK, E4M3, (1, MX_BLOCK), power_of_two=True)
+    bq, b_scale = quantize(b_KN, E4M3, (MX_BLOCK, 1), power_of_two=True)
+
+    def native(aq, a_scale, bq, b_scale):
+        e8m0 = jnp.float8_e8m0fnu
+        out = jax.nn.scaled_matmul(aq[None], bq.T[None], a_scale.astype(e8m0)[None], b_scale.T.astype(e8m0)[None])
+        return out[0].astype(jnp.float32)
+
+    def emulated(aq, a_scale, bq, b_scale):
+        a = aq.astype(jnp.float32) * jnp.repeat(a_scale, MX_BLOCK, axis=1)
+        b = bq.astype(jnp.float32) * jnp.repeat(b_scale, MX_BLOCK, axis=0)
+        return jax.lax.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
+
+
+def _varying_axes(x) -> frozenset:
+    """The shard_map axes x varies over (empty outside shard_map)."""
+    manual = getattr(jax.typeof(x), "mat", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _vary_alike(*arrays):
+    """The arrays made to vary over the same shard_map axes (the union of theirs).
+
+    Inside shard_map a custom VJP must return each cotangent varying exactly as its input. The
+    weights are replicated over the data axes while the activations vary over them, so the
+    weight gradient computed from them varies too; casting the weights to varying first makes
+    autodiff sum that gradient over the data axes, as it does for a plain matmul.
+    """
+    union = frozenset().union(*(_varying_axes(a) for a in arrays))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - _varying_axes(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
+def fp8_matmul(x, w_KN, recipe: str):
+    """x [..., K] @ w [K, N] with every GEMM of forward and backward in fp8 (`recipe` in RECIPES).
+
+    Returns [..., N] in x's dtype; the gradients come back in x's and w's dtypes.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
+    lead = x.shape[:-1]
+    x, w_KN = _vary_alike(x, w_KN)
+    y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe)
+    return y_MN.reshape(*lead, w_KN.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense(x_MK, w_KN, recipe):
+    return scaled_dot(x_MK, w_KN, recipe, "forward").astype(x_MK.dtype)
+
+
+def _dense_fwd(x_MK, w_KN, recipe):
+    return _dense(x_MK, w_KN, recipe), (x_MK, w_KN)
+
+
+def _dense_bwd(recipe, saved, dy_MN):
+    x_MK, w_KN = saved
+    dx_MK = scaled_dot(dy_MN, w_KN.T, recipe, "dgrad")
+    dw_KN = scaled_dot(x_MK.T, dy_MN, recipe, "wgrad")
+    return dx_MK.astype(x_MK.dtype), dw_KN.astype(w_KN.dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# ----------------------------------------------------------------------------------
+# Grouped GEMM: rows sorted by group, each times its group's weight.
+
+
+def row_groups(group_sizes_G, rows: int):
+    """Group of each row; rows past sum(group_sizes) get G (no group)."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(rows), side="right").astype(jnp.int32)
+
+
+def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend: str = "ragged_dot"):
+    """Row m of a times b[group of m] in float32, both operands fp8 along K."""
+    a_dtype, a_block, b_dtype, b_block = GEMMS[recipe][gemm]
+    g, k, n = b_GKN.shape
+    m = a_MK.shape[0]
+    aq, a_scale = quantize(a_MK, a_dtype, a_block)
+    if recipe == "tensorwise":  # one scale for all the groups' weights together
+        bq_GKN, b_scale = quantize(b_GKN.reshape(g * k, n), b_dtype, b_block)
+        bq_GKN = bq_GKN.reshape(g, k, n)
+        if backend in BF16_KERNELS:
+            # Every e4m3 / e5m2 value is a bfloat16 value and the scales factor out of the sum:
+            # the bf16 kernel computes the fp8 GEMM's exact products, only not at fp8 speed.
+            out = grouped_matmul(aq.astype(jnp.bfloat16), bq_GKN.astype(jnp.bfloat16), group_sizes_G, backend=backend)
+            out = out.astype(jnp.float32)
+        else:
+            out = jax.lax.ragged_dot(aq, bq_GKN, group_sizes_G, preferred_element_type=jnp.float32)
+        return out * a_scale * b_scale
+    bq_GKN, b_scale = jax.vmap(lambda b: quantize(b, b_dtype, b_block))(b_GKN)
+    blocks = a_scale.shape[1]
+    pad = blocks * TILE - k
+    groups_M = jnp.minimum(row_groups(group_sizes_G, m), g - 1)  # rows past the groups come out zero anyway
+    b_cols_GBN = jax.vmap(lambda s: expand_scales(s, (blocks, n), (1, b_block[1])))(b_scale)
+    aq_BMT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE).transpose(1, 0, 2)
+    bq_BGTN = jnp.pad(bq_GKN, ((0, 0), (0, pad), (0, 0))).reshape(g, blocks, TILE, n).transpose(1, 0, 2, 3)
+
+    def add_block(acc_MN, inputs):
+        aq_MT, bq_GTN, a_scale_M, b_cols_GN = inputs
+        partial_MN = jax.lax.ragged_dot(aq_MT, bq_GTN, group_sizes_G, preferred_element_type=jnp.float32)
+        return acc_MN + partial_MN * a_scale_M[:, None] * b_cols_GN[groups_M], None
+
+    blocks_in = (aq_BMT, bq_BGTN, a_scale.T, b_cols_GBN.transpose(1, 0, 2))
+    # The first block starts the sum (a zeros carry would not vary over a shard_map's axes as the
+    # blocks do); a scan adds the others.
+    first, _ = add_block(0.0, jax.tree.map(lambda a: a[0], blocks_in))
+    acc, _ = jax.lax.scan(add_block, first, jax.tree.map(lambda a: a[1:], blocks_in))
+    return acc
+
+
+_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str):
+    """dw[g] = x[rows of g]^T @ dy[rows of g] in float32, operands fp8 along the rows."""
+    g = group_sizes_G.shape[0]
+    if recipe == "tensorwise":
+        xq, x_scale = quantize(x_MD, E4M3)
+        dyq, dy_scale = quantize(dy_MF, E5M2)
+        out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
+        return out * x_scale * dy_scale
+    groups_M = row_groups(group_sizes_G, x_MD.shape[0])
+    xq, x_scale_GD = segment_quantize(x_MD, groups_M, g)
+    dyq, dy_scale_GF = segment_quantize(dy_MF, groups_M, g)
+    out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
+    return out * x_scale_GD[:, :, None] * dy_scale_GF[:, None, :]
+
+
+def fp8_grouped_matmul(x_MD, w_GDF, group_sizes_G, recipe: str, backend: str = "ragged_dot"):
+    """`maxmoe.parallel.grouped_matmul.grouped_matmul` with its GEMMs in fp8 (`recipe` in RECIPES).
+
+    `backend` runs mxfp8 (on the exactly rounded bf16/f32 values) and, when it is a bf16-only
+    kernel (BF16_KERNELS), tensorwise's forward and dx on the fp8 values as bf16; otherwise
+    jax.lax.ragged_dot multiplies fp8 operands. Rows past sum(group_sizes) give zeros.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
+    x_MD, w_GDF, group_sizes_G = _vary_alike(x_MD, w_GDF, group_sizes_G)
+    return _grouped(x_MD, w_GDF, group_sizes_G, recipe, backend)
+
+
+def _mx_round(x_RC, block):
+    """MXFP8-rounded values in x's dtype: exact, since the scales are powers of two."""
+    return round_trip(x_RC, E4M3, block, power_of_two=True).astype(x_RC.dtype)
+
+
+def _mx_round_groups(w_GKN):
+    return jax.vmap(lambda w: _mx_round(w, (MX_BLOCK, 1)))(w_GKN)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x_MD, w_GDF, group_sizes_G, recipe, backend):
+    if recipe == "mxfp8":
+        x = _mx_round(x_MD, (1, MX_BLOCK))
+        return grouped_matmul(x, _mx_round_groups(w_GDF), group_sizes_G, backend=backend)
+    return _grouped_scaled(x_MD, w_GDF, group_sizes_G, recipe, "forward", backend).astype(x_MD.dtype)
+
+
+def _grouped_fwd(x_MD, w_GDF, group_sizes_G, recipe, backend):
+    return _grouped(x_MD, w_GDF, group_sizes_G, recipe, backend), (x_MD, w_GDF, group_sizes_G)
+
+
+def _grouped_bwd(recipe, backend, saved, dy_MF):
+    x_MD, w_GDF, group_sizes_G = saved
+    w_GFD = w_GDF.transpose(0, 2, 1)
+    if recipe == "mxfp8":
+        dy = _mx_round(dy_MF, (1, MX_BLOCK))
+        dx_MD = grouped_matmul(dy, _mx_round_groups(w_GFD), group_sizes_G, backend=backend)
+        x_rows = _mx_round(x_MD, (MX_BLOCK, 1)).astype(jnp.float32)
+        dy_rows = _mx_round(dy_MF, (MX_BLOCK, 1)).astype(jnp.float32)
+        dw_GDF = jax.lax.ragged_dot_general(
+            x_rows, dy_rows, group_sizes_G, _WGRAD_DIMS, precision=jax.lax.Precision.HIGHEST
+        )
+    else:
+        dx_MD = _grouped_scaled(dy_MF, w_GFD, group_sizes_G, recipe, "dgrad", backend)
+        dw_GDF = _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe)
+    return dx_MD.astype(x_MD.dtype), dw_GDF.astype(w_GDF.dtype), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def fp8_grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, recipe: str, backend: str):
+    """`maxmoe.parallel.grouped_matmul.grouped_swiglu` with its two grouped GEMMs in fp8 (the gate/up
+    output carries the same name for the remat policies)."""
+    f = w_gate_GDF.shape[2]
+    w_gate_up_GD2F = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=2)
+    gate_up_M2F = checkpoint_name(
+        fp8_grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, recipe, backend), EXPERT_GATE_UP
+    )
+    hidden_MF = jax.nn.silu(gate_up_M2F[:, :f]) * gate_up_M2F[:, f:]
+    return fp8_grouped_matmul(hidden_MF, w_down_GFD, group_sizes_G, recipe, backend)
