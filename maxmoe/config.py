@@ -163,7 +163,9 @@ class MeshConfig:
     pipeline: int = _field(
         1, gt=0, doc="pipeline stages (outermost; may span domains: only activations cross it); 1: no pipeline"
     )
-    pipeline_virtual: int = _field(1, gt=0, doc="pipeline: model chunks per stage (interleaved schedule)")
+    pipeline_virtual: int = _field(
+        1, gt=0, doc="pipeline: model chunks per stage (interleaved schedule); ignored without stages"
+    )
     pipeline_pad_front: int = _field(
         0, ge=0, doc="pipeline: empty layer slots before the first MoE layer (balances the embedding's stage)"
     )
@@ -576,7 +578,6 @@ def validate(config: Config) -> None:
             raise ConfigError(f"mesh.{axis}={size}: must be a positive size or -1 (fill)")
     if sum(getattr(mesh, a) == -1 for a in MESH_AXES) > 1:
         raise ConfigError("only one of mesh.data, mesh.expert, mesh.tensor may be -1")
-    _validate_pipeline(config)
     for logical, axes in mesh.rules.items():
         if logical not in DEFAULT_RULES:
             raise _unknown(f"mesh.rules.{logical}", [f"mesh.rules.{k}" for k in DEFAULT_RULES])
@@ -604,22 +605,20 @@ def validate(config: Config) -> None:
     check_mesh_fits(config, mesh_sizes(config))
 
 
-def _validate_pipeline(config: Config) -> None:
-    """mesh.pipeline > 1 needs MoE layers to cut into stages and micro-batches that fill them."""
-    m, t, mesh = config.model, config.train, config.mesh
-    if mesh.pipeline == 1:
-        if mesh.pipeline_virtual > 1:
-            raise ConfigError(f"mesh.pipeline_virtual={mesh.pipeline_virtual} needs mesh.pipeline > 1")
+def _validate_pipeline(config: Config, stages: int) -> None:
+    """`stages` > 1 needs MoE layers to cut into stages and micro-batches that fill them."""
+    m, t = config.model, config.train
+    if stages <= 1:
         return
     if m.num_layers - m.first_k_dense < 1:
         raise ConfigError(
-            f"mesh.pipeline={mesh.pipeline} needs MoE layers to place on stages; model.num_layers={m.num_layers} "
+            f"mesh.pipeline={stages} needs MoE layers to place on stages; model.num_layers={m.num_layers} "
             f"are all dense (model.first_k_dense={m.first_k_dense})"
         )
-    if t.grad_accum % mesh.pipeline:
+    if t.grad_accum % stages:
         # Fewer micro-batches than stages, or a partial group of them, leaves stages idle.
         raise ConfigError(
-            f"train.grad_accum={t.grad_accum} must be a multiple of mesh.pipeline={mesh.pipeline} "
+            f"train.grad_accum={t.grad_accum} must be a multiple of mesh.pipeline={stages} "
             f"(micro-batches in flight keep every stage busy)"
         )
 
@@ -682,6 +681,7 @@ def mesh_sizes(config: Config) -> dict[str, int]:
 def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
     """Divisibility of the model and batch by the mesh axes; axes of size -1 are skipped."""
     m, t = config.model, config.train
+    _validate_pipeline(config, sizes["pipeline"])
     tensor, expert, data = sizes["tensor"], sizes["expert"], sizes["data"]
     if tensor > 0:
         if m.num_heads % tensor:

@@ -40,7 +40,9 @@ from maxmoe.flops import flops_per_token
 from maxmoe.hlo import collective_bytes
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
+from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
+from maxmoe.training.stage_state import slot_layout
 
 GB = 1e9
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -71,7 +73,12 @@ def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
         return {"forward": 0.0, "backward": 0.0}
     width = 2 if m.compute_dtype == "bfloat16" else 4
     per_call = tokens_per_shard(config, sizes) * m.experts_per_token * m.hidden_size * width * (p - 1) / p
-    scanned, mtp = m.num_layers - m.first_k_dense, m.mtp_num_layers
+    # A stage runs its own slots of the MoE stack (the last one also MTP): the busiest device's calls.
+    scanned = m.num_layers - m.first_k_dense
+    if sizes.get("pipeline", 1) > 1:
+        slots = SlotLayout(scanned, sizes["pipeline"], config.mesh.pipeline_virtual, config.mesh.pipeline_pad_front)
+        scanned = slots.per_chunk * slots.virtual
+    mtp = m.mtp_num_layers
     recomputed = scanned * 2 if m.remat not in ("none",) + COMM_SAVING_POLICIES else 0
     micro = per_call * config.train.grad_accum
     return {"forward": micro * 2 * (scanned + mtp), "backward": micro * (2 * (scanned + mtp) + recomputed)}
@@ -86,6 +93,23 @@ def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
     width = 2 if m.compute_dtype == "bfloat16" else 4
     rows = plan.buffer_rows(tokens_per_shard(config, sizes), m.experts_per_token, m.num_experts)
     return 2.0 * p * rows * m.hidden_size * width
+
+
+def pipeline_report(config: Config) -> dict | None:
+    """The pipeline schedule of a config: stages, chunks, slots, analytic bubble, items in flight."""
+    slots = slot_layout(config)
+    if slots is None:
+        return None
+    schedule = build_schedule(slots.stages, slots.virtual, config.train.grad_accum)
+    return {
+        "stages": slots.stages,
+        "virtual": slots.virtual,
+        "micro_batches": schedule.micro,
+        "slots_per_chunk": slots.per_chunk,
+        "padding_slots": slots.pad_front + slots.pad_back,
+        "bubble": schedule.bubble,
+        "ring_slots": schedule.in_flight(),
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,6 +188,7 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         domain_note = f"{len(set(domain))} domain(s) (one per process)"
     return {
         "devices": mesh.size,
+        "pipeline": pipeline_report(shaped),
         "dispatch": plan.strategy if plan else "local",
         "a2a_model": a2a if ragged else "-",
         "memory": {

@@ -26,7 +26,7 @@ of P, T_F = M*V + P - 1, so
 
 Between an item's forward and its backward a stage keeps the item's residuals in a ring of
 slots, allocated statically (a tick's backward frees its slot before the tick's forward
-takes one): K = P*V + P - 1 slots for M >= P, bounded by the stages, not by M.
+takes one): K = min(P*V + P - 1, M*V) slots, bounded by the stages, not by M.
 
 Axis legend: P stages, V chunks per stage, M micro-batches, S layer slots per chunk.
 """
