@@ -121,11 +121,16 @@ def test_init_lays_out_the_stack(runs):
     assert want.params["moe_layers"]["moe"]["w_gate"].shape[:3] == (2, 2, 2)  # [V, P, S, ...]
 
 
-def assert_metrics_match(got, want):
-    # float32: stage layouts sum gradients and expert outputs in other orders (measured ~1e-6).
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+def assert_metrics_match(got, want, first_step=1):
+    # float32: stage layouts sum gradients and expert outputs in other orders (~1e-6 relative).
+    # Step 1 compares the gradients the pipeline computes from the same parameters: 1e-5. Later
+    # steps start from parameters AdamW moved, where elements with gradients near Adam's eps
+    # turn those differences into ~1e-5 relative ones: the parity tolerance, 1e-4, as
+    # test_mesh_parity.py uses for every mesh layout.
+    for step, (g, w) in enumerate(zip(got, want, strict=True), first_step):
+        rtol = 1e-5 if step == 1 else 1e-4
         for key in METRICS:
-            np.testing.assert_allclose(g[key], w[key], rtol=1e-5, atol=1e-6, err_msg=f"step {step + 1} {key}")
+            np.testing.assert_allclose(g[key], w[key], rtol=rtol, atol=1e-6, err_msg=f"step {step} {key}")
 
 
 def test_losses_match_one_device(runs):
@@ -154,13 +159,13 @@ def test_checkpoint_pipeline_to_one_device_and_back(runs):
     state = one.restore(pipe.run_dir)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), pipe.state_2)
     _, metrics = one.step(state, one.put(batches()[2]))
-    assert_metrics_match([jax.device_get(metrics)], [pipe.metrics[2]])
+    assert_metrics_match([jax.device_get(metrics)], [pipe.metrics[2]], first_step=3)
     # The one device's checkpoint on the stages (padding slots zero), step 3: the one device's step 3.
     state = pipe.restore(one.run_dir)
     model_order = jax.device_get(stage_state.to_model_order(pipe.config, state))
     jax.tree.map(np.testing.assert_array_equal, model_order, one.state_2)
     _, metrics = pipe.step(state, pipe.put(batches()[2]))
-    assert_metrics_match([jax.device_get(metrics)], [one.metrics[2]])
+    assert_metrics_match([jax.device_get(metrics)], [one.metrics[2]], first_step=3)
 
 
 def test_cuda_lowering_keeps_expert_traffic_in_a_stage():
