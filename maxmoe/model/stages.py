@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import ModelConfig
 from maxmoe.model.layers import Embed, RMSNorm, constrain
@@ -39,8 +40,8 @@ def split_stack(tree: dict) -> tuple[Any, dict]:
     return tree[STACK], {k: v for k, v in tree.items() if k != STACK}
 
 
-def _positions(tokens_BT):
-    b, t = tokens_BT.shape
+def _positions(shape):
+    b, t = shape[:2]
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
@@ -58,10 +59,13 @@ def make_first(config: ModelConfig, layout: Any = None):
         x = constrain(inner, embed.apply({"params": outer["embed"]}, tokens_BT), ("batch", "seq", "embed"))
         if config.first_k_dense:
             dense = _stack(config, False, config.first_k_dense, "dense_layers", dtype, inner)
-            x, _ = dense.apply({"params": outer["dense_layers"]}, x, _positions(tokens_BT))
+            x, _ = dense.apply({"params": outer["dense_layers"]}, x, _positions(tokens_BT.shape))
         return x
 
     return first
+
+
+SLOT_PARAMS = "pipeline_slot_params"  # one slot's parameters, sliced from the chunk's
 
 
 def make_chunk(config: ModelConfig, layout: Any = None):
@@ -69,31 +73,46 @@ def make_chunk(config: ModelConfig, layout: Any = None):
 
     seq_aux: the chunk's sequence-wise balance losses summed over its layers; stats: each
     slot's moe_stats (zeros for empty slots). model.remat applies per layer, as in the model.
+
+    Each slot slices its parameters from the whole chunk's inside its checkpointed layer and
+    never saves the slice: the pipeline keeps a chunk's residuals for every item in flight,
+    and a slice saved per layer would be a copy of the chunk's parameters per item (scanning
+    over the parameters as loop inputs saves exactly that). The slice is recomputed in the
+    backward from the chunk's parameters, which the pipeline does not copy.
     """
     dtype = COMPUTE_DTYPES[config.compute_dtype]
 
-    def layer(params_s, router_s, x_BTD):
+    def layer(params, router, i, x_BTD):
+        params_s = jax.tree.map(lambda a: checkpoint_name(a[i], SLOT_PARAMS), params)
+        router_s = jax.tree.map(lambda a: a[i], router)
         block = Block(config, True, dtype, _rebind(layout))
         (y, _), variables = block.apply(
-            {"params": params_s, "router": router_s}, x_BTD, _positions(x_BTD[..., 0]), mutable=["moe_stats"]
+            {"params": params_s, "router": router_s}, x_BTD, _positions(x_BTD.shape), mutable=["moe_stats"]
         )
         return y, variables["moe_stats"]
 
-    if config.remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
+    def slot(params, router, x, inputs):
+        i, on = inputs
+        stats_shape = jax.eval_shape(layer, params, router, i, x)[1]
 
-    def slot(x_BTD, inputs):
-        params_s, router_s, on = inputs
-        stats_shape = jax.eval_shape(layer, params_s, router_s, x_BTD)[1]
-
-        def skip(params_s, router_s, x):
-            del params_s, router_s
+        def skip(x):
             return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
 
-        return jax.lax.cond(on, layer, skip, params_s, router_s, x_BTD)
+        return jax.lax.cond(on, lambda x: layer(params, router, i, x), skip, x)
+
+    policies = jax.checkpoint_policies
+    if config.remat == "none":
+        policy = policies.save_anything_except_these_names(SLOT_PARAMS)
+    else:  # none of the remat policies saves the slice: it is neither a dot's output nor a named one
+        policy = REMAT_POLICIES[config.remat]
+    # Checkpointed around the cond: a cond's residuals leave it as per-iteration values, which
+    # the scan would stack (the chunk's parameters once per slot); the checkpoint's are its inputs.
+    slot = jax.checkpoint(slot, policy=policy, prevent_cse=False)
 
     def chunk(params, state, x_BTD):
-        y, stats = jax.lax.scan(slot, x_BTD, (params, state["router"], state["mask"]))
+        router = state["router"]
+        slots = jnp.arange(state["mask"].shape[0])
+        y, stats = jax.lax.scan(lambda x, inputs: slot(params, router, x, inputs), x_BTD, (slots, state["mask"]))
         return (y, stats["moe"]["router"]["seq_aux"].sum()), stats
 
     return chunk
@@ -110,7 +129,7 @@ def make_last(config: ModelConfig, layout: Any = None, hidden_only: bool = False
 
     def last(outer, outer_state, h_BTD, tokens_BT):
         inner = _rebind(layout)
-        positions = _positions(tokens_BT)
+        positions = _positions(tokens_BT.shape)
         embed = Embed(config.vocab_size, config.hidden_size, dtype, config.init_std)
 
         def head(h):

@@ -181,6 +181,7 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
         stash = residual_cls(fns.stage, _index(params_VS, 0), _index(state_VS, 0), zeros_x)
         info["slots"] = schedule.slots
         info["residual_bytes_per_item"] = sum(math.prod(r.shape) * r.dtype.itemsize for r in stash.shapes)
+        info["residual_shapes"] = [(tuple(r.shape), str(r.dtype)) for r in stash.shapes]
         stats_shape = jax.eval_shape(lambda: fns.stage(_index(params_VS, 0), _index(state_VS, 0), zeros_x)[1])
         post_stats_shape = jax.eval_shape(lambda: post(outer, zeros_x, _index(inputs, 0))[1])
 
