@@ -21,7 +21,7 @@ model's loss averaged over micro-batches, as gradient accumulation computes it. 
 are exactly its gradients; they are never taken by differentiating the loop (that keeps
 every micro-batch's activations alive, GPipe's memory). Instead each forward tick runs
 jax.vjp of its chunk and puts the residuals in a ring of `schedule.slots` entries per
-stage (P*V + P - 1 items, however many micro-batches); the backward tick rebuilds the VJP
+stage (at most P*V + P - 1 items, however many micro-batches); the backward tick rebuilds the VJP
 from the ring. Residuals that are the chunk's own parameters are not copied. What the
 residuals are is the stage function's choice (its remat policy): per-layer remat keeps
 layer inputs, none keeps every activation. residuals="recompute" keeps the chunk input only
