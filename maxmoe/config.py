@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 # Names other modules import rather than spell out again.
-MESH_AXES = ("data", "expert", "tensor")  # outermost (spans scale-up domains) to innermost
+MESH_AXES = ("pipeline", "data", "expert", "tensor")  # outermost (spans scale-up domains) to innermost
+PIPELINE_RESIDUALS = ("vjp", "recompute")  # maxmoe.parallel.pipeline
 DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
 GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")  # maxmoe.parallel.grouped_matmul
 ATTENTION_IMPLEMENTATIONS = (
@@ -172,6 +173,15 @@ DEFAULT_RULES = {
 class MeshConfig:
     """Device mesh and logical-to-mesh sharding rules (see docs/SHARDING.md)."""
 
+    pipeline: int = _field(
+        1, gt=0, doc="pipeline stages (outermost; may span domains: only activations cross it); 1: no pipeline"
+    )
+    pipeline_virtual: int = _field(
+        1, gt=0, doc="pipeline: model chunks per stage (interleaved schedule); ignored without stages"
+    )
+    pipeline_pad_front: int = _field(
+        0, ge=0, doc="pipeline: empty layer slots before the first MoE layer (balances the embedding's stage)"
+    )
     data: int = _field(1, doc="data-parallel devices (may span domains); -1 fills the remaining devices")
     expert: int = _field(1, doc="expert-parallel devices (inside a scale-up domain); -1 fills")
     tensor: int = _field(1, doc="tensor-parallel devices (inside a scale-up domain); -1 fills")
@@ -214,6 +224,11 @@ class TrainConfig:
     eval_every: int = _field(100, gt=0, doc="steps between evaluations (and one at the end)")
     eval_batches: int = _field(4, gt=0, doc="global batches of held-out data per evaluation")
     max_bad_steps: int = _field(5, gt=0, doc="consecutive non-finite steps before stopping")
+    pipeline_residuals: str = _field(
+        "vjp",
+        choices=PIPELINE_RESIDUALS,
+        doc="pipeline: keep each chunk's backward residuals (vjp) or its input only and re-run it (recompute)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,7 +594,8 @@ def validate(config: Config) -> None:
     for logical, axes in mesh.rules.items():
         if logical not in DEFAULT_RULES:
             raise _unknown(f"mesh.rules.{logical}", [f"mesh.rules.{k}" for k in DEFAULT_RULES])
-        allowed = MESH_AXES + ("fsdp",)
+        # Nothing is sharded over `pipeline` but the pipeline's layer stack (maxmoe.parallel.pipeline).
+        allowed = tuple(a for a in MESH_AXES if a != "pipeline") + ("fsdp",)
         if not isinstance(axes, (list, tuple)) or any(a not in allowed for a in axes):
             raise ConfigError(f"mesh.rules.{logical}={axes!r}: expected a list of {', '.join(allowed)}")
     if m.fp8 != "none" and config.moe.dispatch == "capacity":
@@ -610,6 +626,24 @@ def validate(config: Config) -> None:
         raise ConfigError("run.dir is empty; name the folder for checkpoints and metrics (e.g. run.dir=runs/my-run)")
     _check_dist(config.dist)
     check_mesh_fits(config, mesh_sizes(config))
+
+
+def _validate_pipeline(config: Config, stages: int) -> None:
+    """`stages` > 1 needs MoE layers to cut into stages and micro-batches that fill them."""
+    m, t = config.model, config.train
+    if stages <= 1:
+        return
+    if m.num_layers - m.first_k_dense < 1:
+        raise ConfigError(
+            f"mesh.pipeline={stages} needs MoE layers to place on stages; model.num_layers={m.num_layers} "
+            f"are all dense (model.first_k_dense={m.first_k_dense})"
+        )
+    if t.grad_accum % stages:
+        # Fewer micro-batches than stages, or a partial group of them, leaves stages idle.
+        raise ConfigError(
+            f"train.grad_accum={t.grad_accum} must be a multiple of mesh.pipeline={stages} "
+            f"(micro-batches in flight keep every stage busy)"
+        )
 
 
 def _validate_shards(data: DataConfig) -> None:
@@ -670,6 +704,7 @@ def mesh_sizes(config: Config) -> dict[str, int]:
 def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
     """Divisibility of the model and batch by the mesh axes; axes of size -1 are skipped."""
     m, t = config.model, config.train
+    _validate_pipeline(config, sizes["pipeline"])
     tensor, expert, data = sizes["tensor"], sizes["expert"], sizes["data"]
     if tensor > 0:
         if m.num_heads % tensor:

@@ -43,7 +43,9 @@ from maxmoe.hlo import collective_bytes
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
+from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
+from maxmoe.training.stage_state import slot_layout
 
 GB = 1e9
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -78,7 +80,11 @@ def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
     # moe.fp8_dispatch: each forward dispatch (recomputed ones too; not the combine, not the
     # transposes) moves e4m3 values and their scales.
     dispatch_bytes = payload_bytes_per_row(m.hidden_size, m.fp8) if config.moe.fp8_dispatch else row_bytes
+    # A stage runs its own slots of the MoE stack (the last one also MTP): the busiest device's calls.
     scanned, mtp = m.num_layers - m.first_k_dense, m.mtp_num_layers
+    if sizes.get("pipeline", 1) > 1:
+        slots = SlotLayout(scanned, sizes["pipeline"], config.mesh.pipeline_virtual, config.mesh.pipeline_pad_front)
+        scanned = slots.per_chunk * slots.virtual
     recomputed = scanned if m.remat not in ("none",) + COMM_SAVING_POLICIES else 0
     forward = rows * (dispatch_bytes + row_bytes) * (scanned + mtp)
     backward = rows * (2 * row_bytes * (scanned + mtp) + (dispatch_bytes + row_bytes) * recomputed)
@@ -94,6 +100,23 @@ def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
     width = 2 if m.compute_dtype == "bfloat16" else 4
     rows = plan.buffer_rows(tokens_per_shard(config, sizes), m.experts_per_token, m.num_experts)
     return 2.0 * p * rows * m.hidden_size * width
+
+
+def pipeline_report(config: Config) -> dict | None:
+    """The pipeline schedule of a config: stages, chunks, slots, analytic bubble, items in flight."""
+    slots = slot_layout(config)
+    if slots is None:
+        return None
+    schedule = build_schedule(slots.stages, slots.virtual, config.train.grad_accum)
+    return {
+        "stages": slots.stages,
+        "virtual": slots.virtual,
+        "micro_batches": schedule.micro,
+        "slots_per_chunk": slots.per_chunk,
+        "padding_slots": slots.pad_front + slots.pad_back,
+        "bubble": schedule.bubble,
+        "ring_slots": schedule.in_flight(),
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,6 +195,7 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         domain_note = f"{len(set(domain))} domain(s) (one per process)"
     return {
         "devices": mesh.size,
+        "pipeline": pipeline_report(shaped),
         "dispatch": plan.strategy if plan else "local",
         "a2a_model": a2a if ragged else "-",
         "memory": {

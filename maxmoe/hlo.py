@@ -5,6 +5,9 @@ Two texts, two questions:
   count_collectives(stablehlo)   how many collectives of each kind a lowered program
                                  writes (`jit(f).trace(...).lower(...).as_text()`), custom
                                  calls included: the CUDA lowering's ragged all-to-all.
+  collective_spans(stablehlo, stage_of)  which of those collectives stay inside one
+                                 pipeline stage and which cross stages (replica groups,
+                                 permute pairs).
   collective_bytes(hlo, domains) bytes each device puts on the wire per step, by kind and
                                  for the part whose replica groups span more than one
                                  scale-up domain, from the compiled HLO
@@ -21,6 +24,7 @@ the sweep's dry run and the benchmarks all read programs through it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 
@@ -43,6 +47,31 @@ def count_collectives(stablehlo_text: str) -> dict[str, int]:
         pattern = rf"(stablehlo\.{name}\b|@{name}\b|\"{name}\")"
         counts[name] = len(re.findall(pattern, stablehlo_text))
     return counts
+
+
+_STABLEHLO_GROUPS_RE = re.compile(r"(?:replica_groups|source_target_pairs) = dense<(\[\[.*?\]\])>")
+
+
+def collective_spans(stablehlo_text: str, stage_of: list[int]) -> dict[str, dict[str, int]]:
+    """{op: {"inside": n, "across": n, "mixed": n}}: collectives whose every device group (or
+    permute pair) lies in one pipeline stage, spans stages, or some of each.
+
+    stage_of[d] is the stage of device d; an op without explicit groups spans every device.
+    """
+    spans = {}
+    for name in STABLEHLO_COLLECTIVES:
+        pattern = re.compile(rf"(stablehlo\.{name}\b|@{name}\b|\"{name}\")")
+        counts: dict[str, int] = {}
+        for line in stablehlo_text.splitlines():
+            if not pattern.search(line):
+                continue
+            found = _STABLEHLO_GROUPS_RE.search(line)
+            groups = json.loads(found.group(1)) if found else [list(range(len(stage_of)))]
+            inside = {len({stage_of[d] for d in group}) == 1 for group in groups}
+            kind = "mixed" if len(inside) > 1 else "inside" if inside.pop() else "across"
+            counts[kind] = counts.get(kind, 0) + 1
+        spans[name] = counts
+    return spans
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 python -m maxmoe.info --config configs/deepseek_v3_671b.yaml [key=value ...] [--json]
 python -m maxmoe.info --config configs/proxy_1gpu.yaml --platform cuda --device-kind "NVIDIA H200" --json
 python -m maxmoe.info --config configs/tiny.yaml run.cpu_devices=8 mesh.expert=8 --lower cuda
+python -m maxmoe.info --config configs/tiny.yaml run.cpu_devices=8 mesh.pipeline=2 mesh.expert=4 train.grad_accum=2 --lower cuda
 
 The kernel choices are what `auto` (or the config) resolves to for --platform (default: this
 process's) and --device-kind (default: this device's on this platform; on another platform
@@ -17,7 +18,8 @@ import sys
 from maxmoe import runtime
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.flops import count_params, flops_per_token
-from maxmoe.lowering import collective_counts_for_platform
+from maxmoe.hlo import count_collectives
+from maxmoe.lowering import lower_train_step, stage_spans
 
 
 @main_guard
@@ -36,12 +38,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.lower:
         runtime.set_host_device_count(config.run.cpu_devices)
-        counts = collective_counts_for_platform(config, args.lower)
+        text = lower_train_step(config, args.lower).as_text()
+        counts = count_collectives(text)
+        # With stages: which collectives stay inside a stage and which cross between stages.
+        spans = stage_spans(config, text) if config.mesh.pipeline > 1 else None
         if args.json:
-            print(json.dumps(counts))
+            print(json.dumps(counts if spans is None else {**counts, "pipeline_stages": spans}))
         else:
             for name, count in counts.items():
-                print(f"{name}: {count}")
+                where = "" if not spans or not count else f" ({_describe_spans(spans[name])})"
+                print(f"{name}: {count}{where}")
         return 0
 
     report = dict(count_params(config.model))
@@ -54,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in report.items():
             print(f"{key:>21}: {value:,.0f}" if isinstance(value, (int, float)) else f"{key:>21}: {value}")
     return 0
+
+
+def _describe_spans(spans: dict[str, int]) -> str:
+    words = {"inside": "inside one stage", "across": "across stages", "mixed": "some groups across stages"}
+    return ", ".join(f"{count} {words[kind]}" for kind, count in spans.items())
 
 
 def kernel_report(config, platform: str | None, device_kind: str | None) -> dict:

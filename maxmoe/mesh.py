@@ -1,11 +1,13 @@
-"""Devices -> a named (data, expert, tensor) mesh laid over scale-up domains; logical->mesh rules.
+"""Devices -> a named ([pipeline,] data, expert, tensor) mesh laid over scale-up domains; logical->mesh rules.
 
 A scale-up domain is a set of devices on one fast fabric (an NVLink rack such as a GB300
 NVL72: 72 GPUs; an HGX H100/H200 node: 8). The MoE all-to-all (`expert`) and the
 tensor-parallel reductions (`tensor`) are the chatty collectives, so the builder keeps both
 inside one domain: devices are ordered by (domain, process, local id), `tensor` is the
-innermost (fastest varying) axis, `expert` next, and `data` outermost, spanning domains.
-Only gradient reductions (and FSDP gathers) cross domains.
+innermost (fastest varying) axis, `expert` next, and `data` spanning domains. Pipeline
+stages (`pipeline`, outermost, present when mesh.pipeline > 1) are blocks of whole
+(data, expert, tensor) meshes: only activations between neighbouring stages and the
+end-of-step reductions cross them. Only gradient reductions (and FSDP gathers) cross domains.
 
 Logical axis rules are data (`mesh.rules`, docs/SHARDING.md): each logical axis maps to a
 list of mesh axes; the virtual axis `fsdp` means `data` when `mesh.fsdp` is on and nothing
@@ -47,7 +49,7 @@ def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
             )
         sizes[fill[0]] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
-        shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if a != "pipeline" or s > 1)
         raise ConfigError(
             f"mesh {shape} = {math.prod(sizes.values())} devices, but {num_devices} are available "
             f"(set one axis to -1 to fill)"
@@ -73,16 +75,25 @@ def device_domains(devices: Sequence[Any], scale_up_domain: int) -> list[int]:
     return [d.process_index for d in devices]
 
 
+def mesh_axes(sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh's axis names: `pipeline` only when there are stages, so a run without them
+    compiles the program it always did."""
+    return tuple(a for a in MESH_AXES if a != "pipeline" or sizes[a] > 1)
+
+
 def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
-    """The (data, expert, tensor) mesh with expert x tensor groups inside scale-up domains."""
+    """The ([pipeline,] data, expert, tensor) mesh with expert x tensor groups inside scale-up domains."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_shape(config, len(devices))
     domains = device_domains(devices, config.mesh.scale_up_domain)
     order = sorted(range(len(devices)), key=lambda i: (domains[i], devices[i].process_index, devices[i].id))
     ordered = [devices[i] for i in order]
-    grid = np.array(ordered, dtype=object).reshape(sizes["data"], sizes["expert"], sizes["tensor"])
+    axes = mesh_axes(sizes)
+    grid = np.array(ordered, dtype=object).reshape([sizes[a] for a in axes])
     domain_of = {d.id: domains[i] for i, d in enumerate(devices)}
-    split = [i for i in range(sizes["data"]) if len({domain_of[d.id] for d in grid[i].flat}) > 1]
+    # Each row is one expert x tensor block (of one stage, one data index).
+    blocks = grid.reshape(-1, sizes["expert"] * sizes["tensor"])
+    split = [i for i, block in enumerate(blocks) if len({domain_of[d.id] for d in block}) > 1]
     if split:
         message = (
             f"mesh.expert x mesh.tensor = {sizes['expert'] * sizes['tensor']} devices do not fit inside one "
@@ -92,7 +103,7 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
         if not config.mesh.allow_cross_domain:
             raise ConfigError(message + " (set mesh.allow_cross_domain=true to build it anyway)")
         warnings.warn(message, stacklevel=2)
-    return Mesh(grid, MESH_AXES)
+    return Mesh(grid, axes)
 
 
 def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
@@ -213,6 +224,22 @@ class Layout:
         if self.mesh.size == 1:
             return lambda q, k, v, scale: kernel(name)(q, k, v, scale, interpret=interpret)
         return sharded_attention(name, self.mesh, self.spec(("batch", "seq", "heads", "head_dim")), interpret=interpret)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages (the `pipeline` axis; 1 without one)."""
+        return self.shape.get("pipeline", 1)
+
+    def on_context_mesh(self) -> Layout:
+        """This layout rebound to the mesh jax traces under (inside the pipeline's shard_map,
+        where `pipeline` is manual: a concrete Mesh is refused there, in shardings and in the
+        dispatch's shard_map alike)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return self
+        plan = self.dispatch_plan
+        plan = None if plan is None else dataclasses.replace(plan, mesh=mesh)
+        return dataclasses.replace(self, mesh=mesh, dispatch_plan=plan)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

@@ -5,7 +5,8 @@
         --devices 256 --dry-run --mesh data=4,expert=64,tensor=1
     python -m maxmoe.sweep --config configs/proxy_1gpu.yaml --steps 10          # time on the real devices
 
-Shapes: every (data, expert, tensor) whose product is N (or the `--mesh` ones), kept when
+Shapes: every (data, expert, tensor) whose product is N / P for each pipeline size P of
+`--pipeline` (default 1; the `--mesh` ones instead when given), kept when
 the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) and
 `mesh.build_mesh` accepts it (expert x tensor inside one scale-up domain, unless
 `mesh.allow_cross_domain`), and every sharding rule divides the dimensions it splits
@@ -14,7 +15,8 @@ the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) a
 --dry-run: N fake CPU devices; one training step is compiled ahead of time per shape and
 described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
 collective kind, by pass (forward, backward: what remat recomputes shows there) and across
-scale-up domains, model FLOPs. `--a2a proxy` (default) compiles
+scale-up domains, model FLOPs, and with pipeline stages the schedule's bubble
+(P-1)/(M*V+P-1) and ring size. `--a2a proxy` (default) compiles
 the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
 `--a2a emulate` as the CPU emulation. The method in full: maxmoe/dry_run.py.
 
@@ -55,13 +57,13 @@ AXES = MESH_AXES
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,expert=4,tensor=1' -> sizes (missing axes are 1)."""
+    """'pipeline=2,data=2,expert=4,tensor=1' -> sizes (missing axes are 1)."""
     sizes = {a: 1 for a in AXES}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in AXES:
-            raise UserError(f"--mesh {text!r}: expected data=A,expert=B,tensor=C")
+            raise UserError(f"--mesh {text!r}: expected data=A,expert=B,tensor=C (and pipeline=P)")
         try:
             sizes[key] = int(value)
         except ValueError:
@@ -71,15 +73,21 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
-def factorisations(n: int) -> list[dict[str, int]]:
-    """Every (data, expert, tensor) with data x expert x tensor = n."""
+def factorisations(n: int, pipelines: tuple[int, ...] = (1,)) -> list[dict[str, int]]:
+    """Every (pipeline, data, expert, tensor) with pipeline in `pipelines` and the product n."""
     out = []
-    for tensor in range(1, n + 1):
-        if n % tensor:
+    for pipeline in pipelines:
+        if n % pipeline:
             continue
-        for expert in range(1, n // tensor + 1):
-            if (n // tensor) % expert == 0:
-                out.append({"data": n // (tensor * expert), "expert": expert, "tensor": tensor})
+        stage = n // pipeline
+        for tensor in range(1, stage + 1):
+            if stage % tensor:
+                continue
+            for expert in range(1, stage // tensor + 1):
+                if (stage // tensor) % expert == 0:
+                    out.append(
+                        {"pipeline": pipeline, "data": stage // (tensor * expert), "expert": expert, "tensor": tensor}
+                    )
     return out
 
 
@@ -88,10 +96,12 @@ def with_mesh(config: Config, sizes: dict[str, int]) -> Config:
 
 
 def mesh_name(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in AXES)
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a != "pipeline" or sizes.get(a, 1) > 1)
 
 
-def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | None = None):
+def candidate_shapes(
+    config: Config, devices, meshes: list[dict[str, int]] | None = None, pipelines: tuple[int, ...] = (1,)
+):
     """(kept, skipped): kept = [(sizes, mesh)], skipped = [(sizes, reason)], in enumeration order.
 
     A shape is skipped, with its one-line reason, when the model or batch does not divide, the
@@ -101,7 +111,7 @@ def candidate_shapes(config: Config, devices, meshes: list[dict[str, int]] | Non
     kept, skipped = [], []
     boxed = step_lib.abstract_state(config, make_optimizer(config.train), boxed=True)  # the same for every shape
     batch = (config.train.batch_size, config.train.seq_len + 1)
-    for sizes in meshes or factorisations(len(devices)):
+    for sizes in meshes or factorisations(len(devices), pipelines):
         try:
             shaped = with_mesh(config, sizes)  # validated: the model or batch may not divide
             resolve_shape(shaped, len(devices))
@@ -300,6 +310,7 @@ def sweep(
     warmup: int = 2,
     a2a: str = "proxy",
     progress: bool = True,
+    pipelines: tuple[int, ...] = (1,),
 ) -> dict:
     """Run the sweep; returns {"results": ranked, "skipped": [...], ...}."""
     if dry_run:
@@ -321,7 +332,7 @@ def sweep(
                 raise UserError(
                     f"--mesh {mesh_name(sizes)} needs {math.prod(sizes.values())} devices, not --devices {num_devices}"
                 )
-    kept, skipped = candidate_shapes(config, devices, meshes)
+    kept, skipped = candidate_shapes(config, devices, meshes, pipelines)
     if not kept:
         reasons = "; ".join(f"{mesh_name(s)}: {why}" for s, why in skipped[:3])
         raise UserError(f"no valid mesh for {num_devices} devices ({reasons})")
@@ -357,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mesh", action="append", default=[], metavar="data=A,expert=B,tensor=C", help="only these shapes (repeatable)"
     )
+    parser.add_argument(
+        "--pipeline", default="1", metavar="P[,P...]", help="pipeline sizes to enumerate (without --mesh); default 1"
+    )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="bar charts per shape (needs matplotlib)")
     parser.add_argument("--hbm-gb", type=float, default=141.0, help="per-device memory for `fits` (GB, 1e9 B)")
@@ -377,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.hbm_gb <= 0 or args.steps <= 0 or args.warmup < 0:
         raise UserError("--hbm-gb and --steps must be positive, --warmup non-negative")
     meshes = [parse_mesh(m) for m in args.mesh] or None
+    try:
+        pipelines = tuple(int(p) for p in args.pipeline.split(","))
+    except ValueError:
+        raise UserError(f"--pipeline {args.pipeline!r}: expected sizes like 1,2,4") from None
+    if any(p <= 0 for p in pipelines):
+        raise UserError(f"--pipeline {args.pipeline!r}: sizes must be positive")
     config = config_from_args(args)
     if args.devices is None and meshes:
         args.devices = math.prod(meshes[0].values())
@@ -391,12 +411,21 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup,
         args.a2a,
         progress=not args.no_progress,
+        pipelines=pipelines,
     )
     report["wall_s"] = time.perf_counter() - start
     report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     print(format_table(report["results"], args.dry_run))
     for s in report["skipped"]:
         print(f"skipped {s['name']}: {s['reason']}")
+    for r in report["results"]:
+        if r.get("pipeline"):
+            p = r["pipeline"]
+            print(
+                f"pipeline {r['name']}: {p['stages']} stages x {p['virtual']} chunks, {p['micro_batches']} micro-batches, "
+                f"{p['slots_per_chunk']} layer slots per chunk: bubble {p['bubble']:.3f} (analytic), "
+                f"{p['ring_slots']} items in flight per stage"
+            )
     notes = sorted({n for r in report["results"] for n in r.get("notes", [])})
     for n in notes:
         print(f"note: {n}")

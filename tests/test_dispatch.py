@@ -40,7 +40,7 @@ D, F = 8, 4
 
 
 def make_mesh(shape):
-    return Mesh(np.array(jax.devices()).reshape(shape), MESH_AXES)
+    return Mesh(np.array(jax.devices()).reshape(shape), MESH_AXES[-3:])  # (data, expert, tensor)
 
 
 def make_plan(mesh, strategy, **moe):

@@ -121,8 +121,16 @@ def test_default_domain_is_one_per_process():
 )
 def test_minus_one_fills_the_remaining_devices(overrides, expected):
     config = load_config([], overrides)
-    assert resolve_shape(config, 8) == expected
-    assert dict(build_mesh(config).shape) == expected
+    assert resolve_shape(config, 8) == {"pipeline": 1, **expected}
+    assert dict(build_mesh(config).shape) == expected  # no pipeline axis without stages
+
+
+def test_pipeline_is_the_outermost_axis():
+    config = load_config([], ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2", "train.grad_accum=2"])
+    mesh = build_mesh(config)
+    assert dict(mesh.shape) == {"pipeline": 2, "data": 2, "expert": 2, "tensor": 1}
+    # A stage is a contiguous block of devices: the first half, then the second.
+    assert [d.id for d in mesh.devices[0].flat] == [0, 1, 2, 3]
 
 
 def test_fill_that_does_not_divide_is_refused():

@@ -18,13 +18,19 @@ REPO = Path(__file__).resolve().parents[1]
 def test_factorisations_cover_every_shape():
     shapes = sweep.factorisations(8)
     assert len(shapes) == 10
-    assert all(s["data"] * s["expert"] * s["tensor"] == 8 for s in shapes)
+    assert all(s["pipeline"] == 1 and s["data"] * s["expert"] * s["tensor"] == 8 for s in shapes)
     assert len({tuple(s.values()) for s in shapes}) == 10
+    # With stages: every (data, expert, tensor) of 8 / P devices per pipeline size P.
+    staged = sweep.factorisations(8, (1, 2, 4, 8))
+    assert len(staged) == 10 + 6 + 3 + 1
+    assert all(s["pipeline"] * s["data"] * s["expert"] * s["tensor"] == 8 for s in staged)
 
 
 def test_parse_mesh():
-    assert sweep.parse_mesh("data=2,expert=4") == {"data": 2, "expert": 4, "tensor": 1}
-    for bad in ("data=2,pipeline=4", "data=x", "data=0", "expert"):
+    assert sweep.parse_mesh("data=2,expert=4") == {"pipeline": 1, "data": 2, "expert": 4, "tensor": 1}
+    assert sweep.parse_mesh("pipeline=2,expert=4")["pipeline"] == 2
+    assert sweep.mesh_name(sweep.parse_mesh("data=2,expert=4")) == "data=2,expert=4,tensor=1"
+    for bad in ("data=2,stages=4", "data=x", "data=0", "expert"):
         with pytest.raises(sweep.UserError):
             sweep.parse_mesh(bad)
 

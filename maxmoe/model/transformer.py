@@ -109,6 +109,12 @@ class MTPLayer(nn.Module):
         return h, RMSNorm(c.rms_norm_eps, name="out_norm")(h)
 
 
+def head_logits(h_BTD: jax.Array, w_head_DV: jax.Array, dtype, layout: Any = None) -> jax.Array:
+    """float32 logits [B, T, V] of final-normed hidden states through the head (matmul in `dtype`)."""
+    out = jnp.einsum("btd,dv->btv", h_BTD.astype(dtype), w_head_DV.astype(dtype), preferred_element_type=jnp.float32)
+    return constrain(layout, out, ("batch", "seq", "vocab"))
+
+
 def shift_left(x_BT: jax.Array, k: int) -> jax.Array:
     """x[:, t + k] at position t; the last k positions are zero (masked by the loss)."""
     return jnp.pad(x_BT[:, k:], ((0, 0), (0, k)))
@@ -141,12 +147,7 @@ class Transformer(nn.Module):
         w_head_DV = logical_param(self, "head", (c.hidden_size, c.vocab_size), ("embed", "vocab"), std=c.init_std)
 
         def head(h_BTD):
-            if hidden_only:
-                return h_BTD
-            out = jnp.einsum(
-                "btd,dv->btv", h_BTD.astype(dtype), w_head_DV.astype(dtype), preferred_element_type=jnp.float32
-            )
-            return constrain(self.layout, out, ("batch", "seq", "vocab"))
+            return h_BTD if hidden_only else head_logits(h_BTD, w_head_DV, dtype, self.layout)
 
         normed_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
         logits_BTV = head(normed_BTD)

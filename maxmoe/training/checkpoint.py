@@ -7,7 +7,9 @@
 Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when every item is
 complete, so a step that was being written when the process died is never picked up
 (and is overwritten when that step is saved again). Arrays are restored straight into
-the shardings of the current mesh, whatever mesh or device count wrote them.
+the shardings of the current mesh, whatever mesh or device count wrote them. Layer
+stacks are stored in model order whatever the pipeline's stage layout
+(maxmoe.training.stage_state), so pipeline and non-pipeline runs resume each other.
 
 Before restoring, the stored tree is checked against the state this config builds (every
 array present, same shapes), so a checkpoint of another model, or one that cannot be
@@ -32,6 +34,7 @@ from orbax.checkpoint import checkpoint_utils
 
 from maxmoe.config import Config, ConfigError, ModelConfig, UserError, build_model_config
 from maxmoe.model.transformer import abstract_variables
+from maxmoe.training import stage_state
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.run_dir import LOCK_NAME
@@ -225,6 +228,7 @@ class Checkpointer:
         """
         if not self.config.checkpoint.resume:
             return None
+        stage_abstract, abstract_state = abstract_state, stage_state.model_order_abstract(self.config, abstract_state)
         step = self.latest_step()
         if step is None:
             return None
@@ -258,7 +262,8 @@ class Checkpointer:
                 )
             except Exception as e:  # noqa: BLE001 - see above
                 raise UserError(f"{where} cannot be read ({_first_line(e)}){advice}") from None
-        return Restored(step=step, state=restored["state"], data=restored["data"])
+        state = stage_state.to_stage_order(self.config, restored["state"], stage_abstract)
+        return Restored(step=step, state=state, data=restored["data"])
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Start an asynchronous save when the interval says so or `force`; returns whether it did.
@@ -275,7 +280,9 @@ class Checkpointer:
         return manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state, save_args=self._save_args()),
+                state=ocp.args.StandardSave(
+                    stage_state.to_model_order(self.config, state), save_args=self._save_args()
+                ),
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(self.config.to_dict()),
             ),
@@ -354,14 +361,16 @@ def saved_model_config(manager: Any, step: int, where: str) -> ModelConfig:
         raise UserError(f"{where}: its saved model config is not valid here ({e})") from None
 
 
-def load_params(path: str, abstract_state: Any, label: str = "") -> dict:
+def load_params(path: str, abstract_state: Any, label: str = "", config: Config | None = None) -> dict:
     """{'params', 'router'} from the latest step under `path` (a run.dir, its checkpoints/ or a
     `save_params` folder), placed on the shardings of `abstract_state` (the current mesh).
 
-    Errors start with `label` (default `checkpoint.init_from=<path>`).
+    Errors start with `label` (default `checkpoint.init_from=<path>`). With `config`, the layer
+    stack is laid out for its pipeline stages (abstract_state's layout).
     """
     label = label or f"checkpoint.init_from={path}"
-    target = {"params": abstract_state.params, "router": abstract_state.router}
+    stage_target = {"params": abstract_state.params, "router": abstract_state.router}
+    target = stage_target if config is None else stage_state.model_order_abstract(config, stage_target)
     with latest_step_of(path, label, "params", "config") as (manager, step, where):
         check_fits(stored_arrays(manager, step, where), target, where)
         with _quiet_orbax():
@@ -378,7 +387,8 @@ def load_params(path: str, abstract_state: Any, label: str = "") -> dict:
                 )
             except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
                 raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
-    return {"params": restored["state"]["params"], "router": restored["state"]["router"]}
+    loaded = {"params": restored["state"]["params"], "router": restored["state"]["router"]}
+    return loaded if config is None else stage_state.to_stage_order(config, loaded, stage_target)
 
 
 def save_params(folder: str | Path, params: Any, router: Any, config: Config, step: int = 0) -> Path:

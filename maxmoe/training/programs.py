@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.config import Config
+from maxmoe.training import pipeline_step, stage_state
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 
@@ -39,23 +40,32 @@ class Programs:
 
 
 def build_programs(config: Config, layout) -> Programs:
-    """State shardings from the parameters' logical axes; step functions jitted with them."""
+    """State shardings from the parameters' logical axes; step functions jitted with them.
+
+    With pipeline stages the layer stack lives in the stage layout (maxmoe.training.stage_state):
+    init builds model order and re-lays it inside the same program.
+    """
     optimizer = make_optimizer(config.train)
     boxed = step_lib.abstract_state(config, optimizer, boxed=True)
-    shardings = layout.tree_shardings(boxed)
+    shardings = stage_state.stage_shardings(config, layout.tree_shardings(boxed))
     abstract = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        stage_state.stage_abstract(config, nn.unbox(boxed)),
+        shardings,
     )
     layout.check_array("the token batch", ("batch", None), (config.train.batch_size, config.train.seq_len + 1))
     batch_sharding = layout.sharding(("batch", None))
-    init = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=shardings)
+    init = jax.jit(
+        lambda key: stage_state.to_stages(config, step_lib.init_state(config, optimizer, key)), out_shardings=shardings
+    )
+    if layout.stages > 1:
+        train_fn = pipeline_step.make_pipeline_train_step(config, optimizer, layout)
+        eval_fn = pipeline_step.make_pipeline_eval_step(config, layout)
+    else:
+        train_fn = step_lib.make_train_step(config, optimizer, layout)
+        eval_fn = step_lib.make_eval_step(config, layout)
     train_step = jax.jit(
-        step_lib.make_train_step(config, optimizer, layout),
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
+        train_fn, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0
     )
-    eval_step = jax.jit(
-        step_lib.make_eval_step(config, layout), in_shardings=(shardings.params, shardings.router, batch_sharding)
-    )
+    eval_step = jax.jit(eval_fn, in_shardings=(shardings.params, shardings.router, batch_sharding))
     return Programs(shardings, abstract, batch_sharding, init, train_step, eval_step, optimizer)

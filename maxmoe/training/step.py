@@ -46,18 +46,18 @@ def _stats_leaves(stats: dict, name: str) -> list[jax.Array]:
     return [v for k, v in flat.items() if k[-1] == name]
 
 
-def make_loss_fn(config: Config, layout: Any = None) -> Callable:
-    """loss_fn(params, router, batch) -> (loss, aux) for the config's model."""
-    model = build_model(config.model, layout)
+def make_output_loss(config: Config, layout: Any = None) -> Callable:
+    """fn(w_head_DV, main, mtp, targets_BT, moe_stats) -> (loss, aux) from the model's outputs.
+
+    main and mtp (one per depth) are logits, or with train.loss_chunk > 0 the final-normed
+    hidden states the head is applied to block by block; moe_stats are the MoE layers'
+    statistics (their seq_aux terms enter the loss).
+    """
     weight, alpha = config.model.mtp_loss_weight, config.moe.seq_aux_alpha
     chunk = config.train.loss_chunk
     constrain = None if layout is None else layout.constrain
 
-    def loss_fn(params, router, batch_BT):
-        tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
-        (main, mtp), variables = model.apply(
-            {"params": params, "router": router}, tokens, hidden_only=chunk > 0, mutable=["moe_stats"]
-        )
+    def output_loss(w_head_DV, main, mtp, targets, stats):
         t = targets.shape[1]
         # Depth k predicts token t + k + 1: its last k positions have no target.
         targets_SBT = jnp.stack([targets] + [shift_left(targets, k) for k in range(1, len(mtp) + 1)])
@@ -67,7 +67,7 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
         if chunk > 0:  # main and mtp are hidden states: the head runs block by block, once for all of them
             losses = head_cross_entropies(
                 jnp.stack([main, *mtp]),
-                params["head"],
+                w_head_DV,
                 targets_SBT,
                 mask_SBT,
                 chunk=chunk,
@@ -78,10 +78,25 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
             losses = jnp.stack([cross_entropy(x, y, m) for x, y, m in zip([main, *mtp], targets_SBT, mask_SBT)])
         lm_loss, mtp_losses = losses[0], losses[1:]
         mtp_loss = jnp.mean(mtp_losses) if len(mtp) else jnp.zeros((), jnp.float32)
-        stats = variables["moe_stats"]
         seq_aux = sum((x.sum() for x in _stats_leaves(stats, "seq_aux")), jnp.zeros((), jnp.float32))
         loss = lm_loss + weight * mtp_loss + alpha * seq_aux
         return loss, {"lm_loss": lm_loss, "mtp_loss": mtp_loss, "seq_aux": seq_aux, "moe_stats": stats}
+
+    return output_loss
+
+
+def make_loss_fn(config: Config, layout: Any = None) -> Callable:
+    """loss_fn(params, router, batch) -> (loss, aux) for the config's model."""
+    model = build_model(config.model, layout)
+    output_loss = make_output_loss(config, layout)
+    hidden_only = config.train.loss_chunk > 0
+
+    def loss_fn(params, router, batch_BT):
+        tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
+        (main, mtp), variables = model.apply(
+            {"params": params, "router": router}, tokens, hidden_only=hidden_only, mutable=["moe_stats"]
+        )
+        return output_loss(params["head"], main, mtp, targets, variables["moe_stats"])
 
     return loss_fn
 
@@ -136,17 +151,26 @@ def balance_metrics(stats: dict, router: dict | None = None) -> dict[str, jax.Ar
     return metrics
 
 
+def micro_batches(batch_BT: jax.Array, accum: int) -> jax.Array:
+    """[B, ...] -> [accum, B / accum, ...]; the strided split keeps each micro-batch spread over every data shard."""
+    b = batch_BT.shape[0]
+    return batch_BT.reshape(b // accum, accum, *batch_BT.shape[1:]).swapaxes(0, 1)
+
+
+def mean_stats(aux: dict, accum: int) -> dict:
+    """Sums over micro-batches -> a step's figures: loads stay summed (global counts), the rest averaged."""
+    aux = {k: (v if k == "moe_stats" else v / accum) for k, v in aux.items()}
+    aux["moe_stats"] = jax.tree_util.tree_map_with_path(
+        lambda p, v: v if getattr(p[-1], "key", "") == "load" else v / accum, aux["moe_stats"]
+    )
+    return aux
+
+
 def make_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any = None) -> Callable:
     """A pure train_step(state, batch) -> (state, metrics), with grad accumulation over a scan."""
     loss_fn = make_loss_fn(config, layout)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     accum = config.train.grad_accum
-    rate = config.moe.bias_update_rate
-
-    def micro_batches(batch_BT):
-        b = batch_BT.shape[0]
-        # Strided split keeps each micro-batch spread over every data shard.
-        return batch_BT.reshape(b // accum, accum, -1).swapaxes(0, 1)
 
     def train_step(state: TrainState, batch_BT: jax.Array):
         if accum == 1:
@@ -158,43 +182,56 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
                 carry = jax.tree.map(jnp.add, carry, (loss, aux, grads))
                 return carry, None
 
-            micro = micro_batches(batch_BT)
+            micro = micro_batches(batch_BT, accum)
             shapes = jax.eval_shape(grad_fn, state.params, state.router, micro[0])
             (loss0, aux0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             (loss, aux, grads), _ = jax.lax.scan(body, (loss0, aux0, grads0), micro)
             loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
-            aux = {k: (v if k == "moe_stats" else v / accum) for k, v in aux.items()}
-            # Loads are summed over micro-batches (global counts); other stats averaged.
-            aux["moe_stats"] = jax.tree_util.tree_map_with_path(
-                lambda p, v: v if getattr(p[-1], "key", "") == "load" else v / accum, aux["moe_stats"]
-            )
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        router = update_router_bias(state.router, aux["moe_stats"], rate)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        new_state = state.replace(
-            step=state.step + 1,  # loop steps, skipped ones included (the optimizer counts updates)
-            params=keep(params, state.params),
-            router=keep(router, state.router),
-            opt_state=keep(opt_state, state.opt_state),
-            bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
-            skipped=state.skipped + jnp.where(ok, 0, 1),
-        )
-        metrics = {
-            "loss": loss,
-            "lm_loss": aux["lm_loss"],
-            "mtp_loss": aux["mtp_loss"],
-            "seq_aux": aux["seq_aux"],
-            "grad_norm": grad_norm,
-            "skipped": new_state.skipped,
-            "bad_steps": new_state.bad_steps,
-            **balance_metrics(aux["moe_stats"], new_state.router),
-        }
-        return new_state, metrics
+            aux = mean_stats(aux, accum)
+        return apply_gradients(config, optimizer, state, loss, aux, grads)
 
     return train_step
+
+
+def apply_gradients(
+    config: Config,
+    optimizer: optax.GradientTransformation,
+    state: TrainState,
+    loss: jax.Array,
+    aux: dict,
+    grads: Any,
+    model_order: Callable = lambda tree: tree,
+) -> tuple[TrainState, dict]:
+    """The step after the gradients: AdamW, router bias update, skip-if-non-finite, metrics.
+
+    model_order maps a router/stats tree to the model's layer order for the per-layer
+    metrics (the pipeline keeps its layer stack in its own order).
+    """
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    router = update_router_bias(state.router, aux["moe_stats"], config.moe.bias_update_rate)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+    new_state = state.replace(
+        step=state.step + 1,  # loop steps, skipped ones included (the optimizer counts updates)
+        params=keep(params, state.params),
+        router=keep(router, state.router),
+        opt_state=keep(opt_state, state.opt_state),
+        bad_steps=jnp.where(ok, 0, state.bad_steps + 1),
+        skipped=state.skipped + jnp.where(ok, 0, 1),
+    )
+    metrics = {
+        "loss": loss,
+        "lm_loss": aux["lm_loss"],
+        "mtp_loss": aux["mtp_loss"],
+        "seq_aux": aux["seq_aux"],
+        "grad_norm": grad_norm,
+        "skipped": new_state.skipped,
+        "bad_steps": new_state.bad_steps,
+        **balance_metrics(model_order(aux["moe_stats"]), model_order(new_state.router)),
+    }
+    return new_state, metrics
 
 
 def make_eval_step(config: Config, layout: Any = None) -> Callable:

@@ -99,7 +99,9 @@ class Trainer:
         else:
             self.state = self.programs.init(jax.random.key(t.seed))
             if config.checkpoint.init_from:
-                loaded = checkpoint.load_params(config.checkpoint.init_from, self.programs.abstract_state)
+                loaded = checkpoint.load_params(
+                    config.checkpoint.init_from, self.programs.abstract_state, config=config
+                )
                 self.state = self.state.replace(**loaded)
             self.step = 0
         self.start_step = self.step

@@ -1,0 +1,340 @@
+"""The pipeline executor: shard_map over `pipeline`, explicit forward and backward ticks.
+
+    grad_fn = pipeline_value_and_grad(fns, schedule, mesh)
+    loss, (stage_grads, outer_grads), (stage_stats, post_stats) = grad_fn(
+        stage_params, stage_state, outer_params, outer_state, inputs)
+
+The model arrives as three pure functions (`PipelineFns`):
+  * pre(outer, outer_state, inputs_m) -> x: the embedding and dense layers; stage 0 runs it
+    when micro-batch m enters chunk 0, and re-runs it under jax.vjp for its backward.
+  * stage(chunk_params, chunk_state, x) -> ((y, aux_loss), stats): one chunk of the layer
+    stack; every stage runs one per tick (idle stages compute on placeholders and discard).
+  * post(outer, outer_state, y, inputs_m) -> (loss, stats): norm, head, loss, MTP; stage P-1
+    runs it as one jax.vjp right after the last chunk's forward; its cotangent waits one
+    tick in a register and starts the backward.
+pre and post sit in lax.cond on a per-stage predicate, so only their stage spends their
+FLOPs; their collectives (data/expert/tensor, inside one stage) are issued by every device
+of that stage together.
+
+The loss is mean_m post_loss_m + aux_weight * mean_m sum(aux losses of the chunks): the
+model's loss averaged over micro-batches, as gradient accumulation computes it. Gradients
+are exactly its gradients; they are never taken by differentiating the loop (that keeps
+every micro-batch's activations alive, GPipe's memory). Instead each forward tick runs
+jax.vjp of its chunk and puts the residuals in a ring of `schedule.slots` entries per
+stage (at most P*V + P - 1 items, however many micro-batches); the backward tick rebuilds the VJP
+from the ring. Residuals that are the chunk's own parameters are not copied. What the
+residuals are is the stage function's choice (its remat policy): per-layer remat keeps
+layer inputs, none keeps every activation. residuals="recompute" keeps the chunk input only
+and re-runs the chunk in the backward (public API only; one more chunk forward per item).
+
+Only `pipeline` is manual in the shard_map: data/expert/tensor stay automatic, so sharding
+constraints and the expert dispatch's own shard_map work inside as outside, on the context's
+abstract mesh (maxmoe.mesh.Layout.on_context_mesh). check_vma is off: with it on, Shardy's
+verifier rejects the dispatch's nested manual computation on jax 0.10; the executor sums
+only per-stage accumulators and never differentiates through the shard_map.
+
+Axis legend: P stages, V chunks per stage, S layer slots per chunk, M micro-batches, K ring slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from maxmoe.parallel.pipeline_schedule import Schedule
+
+AXIS = "pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineFns:
+    """The model cut into the three pure functions the pipeline runs (see the module docstring)."""
+
+    pre: Callable  # pre(outer_params, outer_state, inputs_m) -> x
+    stage: Callable  # stage(chunk_params, chunk_state, x) -> ((y, aux_loss), stats)
+    post: Callable  # post(outer_params, outer_state, y, inputs_m) -> (loss, stats)
+    aux_weight: float = 0.0  # weight of the chunks' aux losses in the loss
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _varying(tree):
+    """Mark arrays as differing across stages (shard_map's manual-axis type), unless they already do."""
+
+    def one(a):
+        if AXIS in jax.typeof(a).manual_axis_type.varying:
+            return a
+        return jax.lax.pcast(a, AXIS, to="varying")
+
+    return jax.tree.map(one, tree)
+
+
+def _zeros(tree, dtype=None):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
+
+
+def _add(acc, new):
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, new)
+
+
+class _VjpResiduals:
+    """Keep a chunk's jax.vjp residuals, less the chunk's own parameters and state.
+
+    A VJP is a pytree whose leaves are its residuals. Its structure is traced once (with
+    jax.eval_shape) and reused to rebuild the VJP from ring entries in the loop's trace.
+    """
+
+    def __init__(self, stage, params_v, state_v, x):
+        box = {}
+
+        def trace(params_v, state_v, x):
+            _, vjp_fn, _ = jax.vjp(lambda p, xx: stage(p, state_v, xx), params_v, x, has_aux=True)
+            leaves, treedef = jax.tree.flatten(vjp_fn)
+            own = {id(a): i for i, a in enumerate(jax.tree.leaves((params_v, state_v)))}
+            box["treedef"], box["source"] = treedef, [own.get(id(a)) for a in leaves]
+            return [a for a in leaves if id(a) not in own]
+
+        self.stage = stage
+        self.shapes = jax.eval_shape(trace, params_v, state_v, x)
+        self.treedef, self.source = box["treedef"], box["source"]
+
+    def forward(self, params_v, state_v, x):
+        out, vjp_fn, stats = jax.vjp(lambda p, xx: self.stage(p, state_v, xx), params_v, x, has_aux=True)
+        leaves = jax.tree.leaves(vjp_fn)
+        own = {id(a): i for i, a in enumerate(jax.tree.leaves((params_v, state_v)))}
+        if [own.get(id(a)) for a in leaves] != self.source:
+            raise AssertionError("the chunk's residual structure changed between traces")
+        kept = [a for a in leaves if id(a) not in own]
+        for a, s in zip(kept, self.shapes, strict=True):
+            if a.shape != s.shape or a.dtype != s.dtype:
+                raise AssertionError(f"chunk residual {a.shape} {a.dtype} != traced {s.shape} {s.dtype}")
+        return out, stats, kept
+
+    def vjp(self, kept, params_v, state_v):
+        own = jax.tree.leaves((params_v, state_v))
+        kept = iter(kept)
+        return jax.tree.unflatten(self.treedef, [own[s] if s is not None else next(kept) for s in self.source])
+
+
+class _RecomputeResiduals:
+    """Keep the chunk input only; the backward re-runs the chunk under jax.vjp."""
+
+    def __init__(self, stage, params_v, state_v, x):
+        del params_v, state_v
+        self.stage = stage
+        self.shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+
+    def forward(self, params_v, state_v, x):
+        out, stats = self.stage(params_v, state_v, x)
+        return out, stats, [x]
+
+    def vjp(self, kept, params_v, state_v):
+        _, vjp_fn, _ = jax.vjp(lambda p, xx: self.stage(p, state_v, xx), params_v, kept[0], has_aux=True)
+        return vjp_fn
+
+
+RESIDUALS = {"vjp": _VjpResiduals, "recompute": _RecomputeResiduals}
+
+
+def _send(a, stages: int, step: int):
+    """Pass `a` to the stage `step` places on around the ring (one collective permute)."""
+    if stages == 1:
+        return a
+    return jax.lax.ppermute(a, AXIS, [(i, (i + step) % stages) for i in range(stages)])
+
+
+def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residuals: str = "vjp") -> Callable:
+    """run(stage_params, stage_state, outer_params, outer_state, inputs) -> (loss, grads, stats).
+
+    stage_params / stage_state: trees of [V, P, S, ...] arrays, dim 1 over `pipeline` (chunk
+    v of stage p holds slots (v*P + p)*S ... + S-1). outer_params / outer_state and inputs (a
+    tree of [M, ...] per-micro-batch arrays) are replicated over `pipeline`. Only the params
+    are differentiated.
+    Returns the float32 loss; grads = (stage grads [V, P, S, ...], outer grads), float32;
+    stats = (chunk stats summed over micro-batches [V, P, ...], post stats summed over
+    micro-batches). `run.info` holds the ring's size once traced (slots, bytes per item).
+    """
+    residual_cls = RESIDUALS[residuals]
+    P, V, M = schedule.stages, schedule.virtual, schedule.micro
+    tables_np = schedule.tables()
+    info: dict = {}
+    inv_m = 1.0 / M
+
+    def body(stage_params, stage_state, outer, outer_state, inputs):
+        p = jax.lax.axis_index(AXIS)
+        tables = jnp.asarray(tables_np)
+        # Per-stage copies: pre/post gradients stay on their stage until the final sum.
+        outer, outer_state = _varying(outer), _varying(outer_state)
+        pre = lambda o, inp: fns.pre(o, outer_state, inp)  # noqa: E731
+        post = lambda o, h, inp: fns.post(o, outer_state, h, inp)  # noqa: E731
+        params_VS = jax.tree.map(lambda a: a[:, 0], stage_params)
+        state_VS = jax.tree.map(lambda a: a[:, 0], stage_state)
+        x_shape = jax.eval_shape(lambda: pre(outer, _index(inputs, 0)))
+        zeros_x = _varying(jnp.zeros(x_shape.shape, x_shape.dtype))
+        stash = residual_cls(fns.stage, _index(params_VS, 0), _index(state_VS, 0), zeros_x)
+        info["slots"] = schedule.slots
+        info["residual_bytes_per_item"] = sum(math.prod(r.shape) * r.dtype.itemsize for r in stash.shapes)
+        info["residual_shapes"] = [(tuple(r.shape), str(r.dtype)) for r in stash.shapes]
+        stats_shape = jax.eval_shape(lambda: fns.stage(_index(params_VS, 0), _index(state_VS, 0), zeros_x)[1])
+        post_stats_shape = jax.eval_shape(lambda: post(outer, zeros_x, _index(inputs, 0))[1])
+
+        def forward(t, c):
+            micro, chunk, slot, valid = (tables[t, p, i] for i in range(4))
+            inp = _index(inputs, micro)
+            x_in = jax.lax.cond((p == 0) & (chunk == 0), lambda: pre(outer, inp), lambda: c["x_recv"])
+            (y, aux), stats, kept = stash.forward(_index(params_VS, chunk), _index(state_VS, chunk), x_in)
+            c["ring"] = [r.at[slot].set(k) for r, k in zip(c["ring"], kept, strict=True)]
+            # Idle items computed on placeholders (possibly non-finite): selected away, never multiplied.
+            c["stats"] = jax.tree.map(
+                lambda acc, s: acc.at[chunk].add(jnp.where(valid == 1, s, 0).astype(acc.dtype)), c["stats"], stats
+            )
+            c["loss"] = c["loss"] + jnp.where(valid == 1, fns.aux_weight * inv_m * aux, 0.0)
+
+            def run_post(loss, dh, g_outer, post_stats):
+                loss_m, post_vjp, stats_m = jax.vjp(lambda o, h: post(o, h, inp), outer, y, has_aux=True)
+                g_o, dh_new = post_vjp(_varying(jnp.asarray(inv_m, loss_m.dtype)))
+                return loss + inv_m * loss_m, dh_new.astype(dh.dtype), _add(g_outer, g_o), _add(post_stats, stats_m)
+
+            last = (p == P - 1) & (chunk == V - 1) & (valid == 1)
+            c["loss"], c["dh"], c["g_outer"], c["post_stats"] = jax.lax.cond(
+                last, run_post, lambda *a: a, c["loss"], c["dh"], c["g_outer"], c["post_stats"]
+            )
+            return c, y
+
+        def backward(t, c):
+            micro, chunk, slot, valid = (tables[t, p, 4 + i] for i in range(4))
+            params_v, state_v = _index(params_VS, chunk), _index(state_VS, chunk)
+            vjp_fn = stash.vjp([r[slot] for r in c["ring"]], params_v, state_v)
+            dy = jnp.where((p == P - 1) & (chunk == V - 1), c["dh"], c["dx_recv"])
+            d_aux = _varying(jnp.asarray(fns.aux_weight * inv_m, jnp.float32))
+            d_params, dx = vjp_fn((dy, d_aux))
+            c["g_stage"] = jax.tree.map(
+                lambda acc, g: acc.at[chunk].add(jnp.where(valid == 1, g, 0).astype(acc.dtype)), c["g_stage"], d_params
+            )
+            inp = _index(inputs, micro)
+
+            def run_pre(g_outer):
+                _, pre_vjp = jax.vjp(lambda o: pre(o, inp), outer)
+                return _add(g_outer, pre_vjp(dx.astype(x_shape.dtype))[0])
+
+            first = (p == 0) & (chunk == 0) & (valid == 1)
+            c["g_outer"] = jax.lax.cond(first, run_pre, lambda g: g, c["g_outer"])
+            return c, dx
+
+        def warmup(c, t):
+            c, y = forward(t, c)
+            c["x_recv"] = _send(y, P, 1)
+            return c, None
+
+        def steady(c, t):
+            c, dx = backward(t, c)  # reads its ring slot before this tick's forward may reuse it
+            c, y = forward(t, c)
+            c["x_recv"], c["dx_recv"] = _send(y, P, 1), _send(dx, P, -1)
+            return c, None
+
+        def cooldown(c, t):
+            c, dx = backward(t, c)
+            c["dx_recv"] = _send(dx, P, -1)
+            return c, None
+
+        carry = _varying(
+            {
+                "x_recv": zeros_x,
+                "dx_recv": zeros_x,
+                "dh": zeros_x,
+                "ring": [jnp.zeros((schedule.slots, *r.shape), r.dtype) for r in stash.shapes],
+                "g_stage": _zeros(params_VS, jnp.float32),
+                "g_outer": _zeros(outer, jnp.float32),
+                "loss": jnp.zeros((), jnp.float32),
+                "stats": jax.tree.map(lambda s: jnp.zeros((V, *s.shape), jnp.float32), stats_shape),
+                "post_stats": jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), post_stats_shape),
+            }
+        )
+        phases = (
+            (warmup, 0, schedule.warmup_end),
+            (steady, schedule.warmup_end, schedule.forward_end),
+            (cooldown, schedule.forward_end, schedule.ticks),
+        )
+        for fn, start, end in phases:
+            if end > start:
+                carry, _ = jax.lax.scan(fn, carry, jnp.arange(start, end, dtype=jnp.int32))
+        loss, g_outer, post_stats = jax.lax.psum((carry["loss"], carry["g_outer"], carry["post_stats"]), AXIS)
+        g_stage = jax.tree.map(lambda a: a[:, None], carry["g_stage"])
+        stats = jax.tree.map(lambda a: a[:, None], carry["stats"])
+        return loss, (g_stage, g_outer), (stats, post_stats)
+
+    def run(stage_params, stage_state, outer_params, outer_state, inputs):
+        stacked, replicated = PartitionSpec(None, AXIS), PartitionSpec()
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(stacked, stacked, replicated, replicated, replicated),
+            out_specs=(replicated, (stacked, replicated), (stacked, replicated)),
+            axis_names={AXIS},
+            check_vma=False,
+        )(stage_params, stage_state, outer_params, outer_state, inputs)
+
+    run.info = info
+    return run
+
+
+def pipeline_forward(fns: PipelineFns, schedule: Schedule, mesh) -> Callable:
+    """run(stage_params, stage_state, outer_params, outer_state, inputs) -> (mean loss, post stats summed).
+
+    The forward ticks of `schedule` only (evaluation): nothing is kept for a backward, so a
+    stage holds one activation at a time. The loss is mean_m post_loss_m (no aux losses).
+    """
+    P, V, M = schedule.stages, schedule.virtual, schedule.micro
+    tables_np = schedule.tables()
+
+    def body(stage_params, stage_state, outer, outer_state, inputs):
+        p = jax.lax.axis_index(AXIS)
+        tables = jnp.asarray(tables_np)
+        outer, outer_state = _varying(outer), _varying(outer_state)
+        params_VS = jax.tree.map(lambda a: a[:, 0], stage_params)
+        state_VS = jax.tree.map(lambda a: a[:, 0], stage_state)
+        x_shape = jax.eval_shape(lambda: fns.pre(outer, outer_state, _index(inputs, 0)))
+        zeros_x = _varying(jnp.zeros(x_shape.shape, x_shape.dtype))
+        post_shape = jax.eval_shape(lambda: fns.post(outer, outer_state, zeros_x, _index(inputs, 0)))
+
+        def tick(c, t):
+            micro, chunk, valid = tables[t, p, 0], tables[t, p, 1], tables[t, p, 3]
+            inp = _index(inputs, micro)
+            first = (p == 0) & (chunk == 0)
+            x_in = jax.lax.cond(first, lambda: fns.pre(outer, outer_state, inp), lambda: c["x_recv"])
+            (y, _), _ = fns.stage(_index(params_VS, chunk), _index(state_VS, chunk), x_in)
+
+            def run_post(acc):
+                return _add(acc, fns.post(outer, outer_state, y, inp))
+
+            last = (p == P - 1) & (chunk == V - 1) & (valid == 1)
+            c["out"] = jax.lax.cond(last, run_post, lambda acc: acc, c["out"])
+            c["x_recv"] = _send(y, P, 1)
+            return c, None
+
+        carry = _varying(
+            {"x_recv": zeros_x, "out": jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), post_shape)}
+        )
+        carry, _ = jax.lax.scan(tick, carry, jnp.arange(schedule.forward_end, dtype=jnp.int32))
+        loss, stats = jax.lax.psum(carry["out"], AXIS)
+        return loss / M, stats
+
+    def run(stage_params, stage_state, outer_params, outer_state, inputs):
+        stacked, replicated = PartitionSpec(None, AXIS), PartitionSpec()
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(stacked, stacked, replicated, replicated, replicated),
+            out_specs=(replicated, replicated),
+            axis_names={AXIS},
+            check_vma=False,
+        )(stage_params, stage_state, outer_params, outer_state, inputs)
+
+    return run

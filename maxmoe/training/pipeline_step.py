@@ -1,0 +1,98 @@
+"""The train and eval steps with mesh.pipeline > 1: the micro-batch loop becomes the pipeline schedule.
+
+    train_step(state, batch) -> (state, metrics)      as maxmoe.training.step, same metrics
+
+The state's `moe_layers` leaves are in the stage layout (maxmoe.training.stage_state).
+The micro-batches (train.grad_accum of them, today's strided split) run through the
+circular 1F1B schedule of maxmoe.parallel.pipeline; the loss, gradients and statistics
+are those of the micro-batch scan: mean over micro-batches of lm + mtp_loss_weight x mtp
++ seq_aux_alpha x seq_aux, loads summed, other statistics averaged. What follows the
+gradients (AdamW, router bias update, skipping non-finite steps) is step.apply_gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from maxmoe.config import Config
+from maxmoe.model import stages
+from maxmoe.parallel.pipeline import PipelineFns, pipeline_forward, pipeline_value_and_grad
+from maxmoe.parallel.pipeline_schedule import build_schedule
+from maxmoe.training import stage_state
+from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, mean_stats, micro_batches
+
+
+def make_fns(config: Config, layout: Any, *, train: bool = True) -> PipelineFns:
+    """The model's pre / chunk / post for the pipeline; post computes the training loss
+    (train=True) or the next-token loss alone (evaluation)."""
+    hidden_only = config.train.loss_chunk > 0
+    first = stages.make_first(config.model, layout)
+    last = stages.make_last(config.model, layout, hidden_only=hidden_only)
+
+    def pre(outer, outer_state, batch_BT):
+        del outer_state
+        return first(outer, batch_BT[:, :-1])
+
+    def post(outer, outer_state, h_BTD, batch_BT):
+        tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
+        main, mtp, stats = last(outer, outer_state, h_BTD, tokens)
+        output_loss = make_output_loss(config, layout.on_context_mesh())
+        if not train:
+            return output_loss(outer["head"], main, [], targets, {})[1]["lm_loss"], {}
+        return output_loss(outer["head"], main, mtp, targets, stats)
+
+    return PipelineFns(pre, stages.make_chunk(config.model, layout), post, aux_weight=config.moe.seq_aux_alpha)
+
+
+def _stage_inputs(config: Config, params: dict, router: dict):
+    stack, outer = stages.split_stack(params)
+    stack_router, outer_state = stages.split_stack(router)
+    mask = jnp.asarray(stage_state.slot_layout(config).mask())
+    return stack, {"router": stack_router, "mask": mask}, outer, outer_state
+
+
+def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any) -> Callable:
+    """train_step(state, batch) -> (state, metrics) through the pipeline schedule."""
+    m = config.mesh
+    accum = config.train.grad_accum
+    schedule = build_schedule(m.pipeline, m.pipeline_virtual, accum)
+    grad_fn = pipeline_value_and_grad(
+        make_fns(config, layout), schedule, layout.mesh, residuals=config.train.pipeline_residuals
+    )
+
+    def model_order(tree):
+        return stage_state.to_model(config, tree)
+
+    def train_step(state: TrainState, batch_BT: jax.Array):
+        stack, stack_state, outer, outer_state = _stage_inputs(config, state.params, state.router)
+        micro = micro_batches(batch_BT, accum)
+        loss, (g_stack, g_outer), (stats, post) = grad_fn(stack, stack_state, outer, outer_state, micro)
+        grads = {**g_outer, stages.STACK: g_stack}
+        # post: the MTP depths' statistics and losses; stats: every slot's, [V, P, S, ...].
+        seq_aux = post["seq_aux"] + stats["moe"]["router"]["seq_aux"].sum()
+        aux = {"lm_loss": post["lm_loss"], "mtp_loss": post["mtp_loss"], "seq_aux": seq_aux}
+        aux["moe_stats"] = {**post["moe_stats"], stages.STACK: stats}
+        return apply_gradients(config, optimizer, state, loss, mean_stats(aux, accum), grads, model_order)
+
+    train_step.pipeline_info = grad_fn.info  # ring size, once traced
+    return train_step
+
+
+def make_pipeline_eval_step(config: Config, layout: Any) -> Callable:
+    """eval_step(params, router, batch) -> next-token loss, through the forward ticks of the schedule."""
+    m = config.mesh
+    accum = config.train.grad_accum
+    run = pipeline_forward(
+        make_fns(config, layout, train=False), build_schedule(m.pipeline, m.pipeline_virtual, accum), layout.mesh
+    )
+
+    def eval_step(params, router, batch_BT):
+        loss, _ = run(*_stage_inputs(config, params, router), micro_batches(batch_BT, accum))
+        return loss
+
+    return eval_step
