@@ -270,16 +270,11 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
         stats = jax.tree.map(lambda a: a[:, None], carry["stats"])
         return loss, (g_stage, g_outer), (stats, post_stats)
 
+    stacked, replicated = PartitionSpec(None, AXIS), PartitionSpec()
+    mapped = _over_stages(body, mesh, (replicated, (stacked, replicated), (stacked, replicated)))
+
     def run(stage_params, stage_state, outer_params, outer_state, inputs):
-        stacked, replicated = PartitionSpec(None, AXIS), PartitionSpec()
-        return jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(stacked, stacked, replicated, replicated, replicated),
-            out_specs=(replicated, (stacked, replicated), (stacked, replicated)),
-            axis_names={AXIS},
-            check_vma=False,
-        )(stage_params, stage_state, outer_params, outer_state, inputs)
+        return mapped(stage_params, stage_state, outer_params, outer_state, inputs)
 
     run.info = info
     return run
@@ -326,15 +321,22 @@ def pipeline_forward(fns: PipelineFns, schedule: Schedule, mesh) -> Callable:
         loss, stats = jax.lax.psum(carry["out"], AXIS)
         return loss / M, stats
 
-    def run(stage_params, stage_state, outer_params, outer_state, inputs):
-        stacked, replicated = PartitionSpec(None, AXIS), PartitionSpec()
-        return jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(stacked, stacked, replicated, replicated, replicated),
-            out_specs=(replicated, replicated),
-            axis_names={AXIS},
-            check_vma=False,
-        )(stage_params, stage_state, outer_params, outer_state, inputs)
+    return _over_stages(body, mesh, (PartitionSpec(), PartitionSpec()))
 
-    return run
+
+def _over_stages(body: Callable, mesh, out_specs) -> Callable:
+    """`body(stage_params, stage_state, outer_params, outer_state, inputs)` manual over `pipeline` only.
+
+    Stacked [V, P, ...] stage leaves are split over the stages, the rest replicated; data,
+    expert and tensor stay automatic inside. check_vma is off: nothing differentiates through
+    this map, and the dispatch's nested shard_map fails Shardy's check with it on.
+    """
+    stacked, replicated = PartitionSpec(None, AXIS), PartitionSpec()
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(stacked, stacked, replicated, replicated, replicated),
+        out_specs=out_specs,
+        axis_names={AXIS},
+        check_vma=False,
+    )
