@@ -39,15 +39,24 @@ class Programs:
 
 
 def build_programs(config: Config, layout) -> Programs:
-    """State shardings from the parameters' logical axes; step functions jitted with them."""
+    """State shardings from the parameters' logical axes; step functions jitted with them.
+
+    With more than one replica (mesh.across_domains=zero1) params and optimizer state sit
+    on ZeRO-1 shardings (sharded over every device); the state's tree, shapes and dtypes
+    do not change, so checkpoints restore across the two modes.
+    """
     optimizer = make_optimizer(config.train)
     boxed = step_lib.abstract_state(config, optimizer, boxed=True)
     shardings = layout.tree_shardings(boxed)
+    if layout.replicas > 1:
+        shardings = shardings.replace(
+            params=layout.zero1_shardings(boxed.params), opt_state=layout.zero1_shardings(boxed.opt_state)
+        )
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.unbox(boxed), shardings
     )
     layout.check_array("the token batch", ("batch", None), (config.train.batch_size, config.train.seq_len + 1))
-    batch_sharding = layout.sharding(("batch", None))
+    batch_sharding = layout.batch_sharding()
     init = jax.jit(lambda key: step_lib.init_state(config, optimizer, key), out_shardings=shardings)
     train_step = jax.jit(
         step_lib.make_train_step(config, optimizer, layout),
