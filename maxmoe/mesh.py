@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxmoe.config import DEFAULT_RULES, MESH_AXES, REPLICA_AXIS, Config, ConfigError, check_mesh_fits
+from maxmoe.config import DEFAULT_RULES, MESH_AXES, REPLICA_AXIS, Config, ConfigError, check_mesh_fits, mesh_sizes
 from maxmoe.parallel.attention_kernels import kernel, sharded_attention
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
 from maxmoe.parallel.kernel_choice import resolve_kernels
@@ -44,7 +44,7 @@ from maxmoe.parallel.replicas import axes_of, context_sharding
 
 def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
     """Mesh sizes for `num_devices`, filling the one -1 axis; checks the product and divisibility."""
-    sizes = {a: getattr(config.mesh, a) for a in MESH_AXES}
+    sizes = mesh_sizes(config)
     fixed = math.prod(s for s in sizes.values() if s != -1)
     fill = [a for a, s in sizes.items() if s == -1]
     if fill:
