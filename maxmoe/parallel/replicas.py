@@ -99,17 +99,18 @@ def compute_copy(master: Any, zero1: Any, in_domain: Any, keep_f32: Any, dtype) 
     cast after the gather and gathers float32), drop `replica` (the cross-domain
     all-gather), then the in-domain sharding (in-domain all-gathers of the axes the
     optimizer adds). Leaves whose `keep_f32` is True stay float32 (the model uses them so).
-    The named scope marks these gathers in the compiled program's metadata.
+    Named scopes mark these gathers in the compiled program's metadata: `compute_copy`
+    (cast) and `float32_copy` (kept), so byte counts can tell their widths apart.
     """
 
     def one(p, z, d, keep):
-        if not keep:
-            p = jax.lax.with_sharding_constraint(p.astype(dtype), z)
-        p = jax.lax.with_sharding_constraint(p, NamedSharding(z.mesh, without_axis(z.spec, REPLICA)))
-        return jax.lax.with_sharding_constraint(p, d)
+        with jax.named_scope("float32_copy" if keep else "compute_copy"):
+            if not keep:
+                p = jax.lax.with_sharding_constraint(p.astype(dtype), z)
+            p = jax.lax.with_sharding_constraint(p, NamedSharding(z.mesh, without_axis(z.spec, REPLICA)))
+            return jax.lax.with_sharding_constraint(p, d)
 
-    with jax.named_scope("compute_copy"):
-        return jax.tree.map(one, master, zero1, in_domain, keep_f32)
+    return jax.tree.map(one, master, zero1, in_domain, keep_f32)
 
 
 def _sum_dtype(dtype):
