@@ -39,7 +39,7 @@ import numpy as np
 
 from maxmoe import runtime
 from maxmoe.cli import config_from_args, main_guard, make_parser
-from maxmoe.config import MESH_AXES, Config, ConfigError, UserError
+from maxmoe.config import SIZED_MESH_AXES, Config, ConfigError, UserError
 from maxmoe.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.mesh import Layout, build_layout, build_mesh, check_divisible, resolve_rules, resolve_shape
@@ -48,7 +48,7 @@ from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
 from maxmoe.training.progress import ProgressDisplay
 
-AXES = MESH_AXES
+AXES = SIZED_MESH_AXES  # the sizes a shape sets; replica follows from mesh.across_domains
 
 # ---------------------------------------------------------------------------------------
 # Shapes
