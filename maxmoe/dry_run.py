@@ -22,6 +22,10 @@ per device:
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
   flops       analytic model FLOPs per device per step (maxmoe.flops).
+  prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
+              GPU and bound from these FLOPs, collectives (as the GPU moves them, by tier and
+              by whether they run once per step) and memory, and the per-GPU retention if
+              the replicas (cross-domain groups) grew 4-fold.
 The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
 whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
 its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
@@ -41,8 +45,9 @@ import dataclasses
 import math
 import time
 
+from maxmoe import planner
 from maxmoe.config import Config
-from maxmoe.flops import flops_per_token
+from maxmoe.flops import count_params, flops_per_token
 from maxmoe.hlo import collective_ops, summarize_ops
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
@@ -107,11 +112,11 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
     halve_bf16 = config.model.compute_dtype == "bfloat16"
     seen = set()
     for row in rows:
-        scopes = row["op_name"].split("/")
-        if halve_bf16 and row["dtype"] == "f32" and (row["kind"] == "all-to-all" or "compute_copy" in scopes):
+        names = row["op_name"]  # combined ops join their parts' names: look for the scope anywhere
+        if halve_bf16 and row["dtype"] == "f32" and (row["kind"] == "all-to-all" or "compute_copy" in names):
             row = {**row, "dtype": "bf16", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
             seen.add("all-to-all" if row["kind"] == "all-to-all" else "compute_copy")
-        if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in scopes:
+        if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in names:
             row = {
                 **row,
                 "kind": "reduce-scatter",
@@ -139,10 +144,13 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
 # Compiling one step
 
 
-def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy") -> dict:
+def dry_run_shape(
+    shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy", system: str | None = None
+) -> dict:
     """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
 
-    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring).
+    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring);
+    `system` (a key of maxmoe.planner.SYSTEMS) adds the planner's prediction for it.
     """
     start = time.perf_counter()
     layout = build_layout(shaped, list(mesh.devices.flat), platform="cpu")
@@ -195,6 +203,18 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
     t = shaped.train
     tokens = t.batch_size * t.seq_len
     flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
+    prediction = None
+    if system is not None:
+        params = count_params(shaped.model)
+        workload = planner.workload_from_ops(
+            rows,
+            flops,
+            tokens,
+            mesh.size,
+            memory_bytes=total,
+            optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], mesh.size),
+        )
+        prediction = planner.report(workload, planner.SYSTEMS[system])
     if shaped.mesh.scale_up_domain:
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
     else:
@@ -233,4 +253,5 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         "lower_s": lower_s,
         "compile_s": compile_s,
         "notes": notes,
+        "prediction": prediction,
     }
