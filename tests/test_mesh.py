@@ -60,9 +60,9 @@ def test_expert_and_tensor_groups_stay_inside_a_domain(shape):
     devices = list(jax.devices())
     random.Random(sum(shape)).shuffle(devices)  # the builder must not rely on the input order
     mesh = build_mesh(_config(*shape), devices)
-    assert dict(mesh.shape) == dict(zip(("data", "expert", "tensor"), shape))
+    assert dict(mesh.shape) == {"replica": 1, **dict(zip(("data", "expert", "tensor"), shape))}
     domain = _domain_of(devices, DOMAIN)
-    grid = mesh.devices
+    grid = mesh.devices[0]  # replica = 1 under mesh.across_domains=fsdp
     data, expert, tensor = shape
     assert sorted(d.id for d in grid.flat) == list(range(8))
     for d in range(data):
@@ -84,7 +84,7 @@ def test_groups_larger_than_a_domain_are_refused(shape):
 def test_allow_cross_domain_builds_with_a_warning(shape):
     with pytest.warns(UserWarning, match="scale-up domain"):
         mesh = build_mesh(_config(*shape, "mesh.allow_cross_domain=true"))
-    assert dict(mesh.shape) == dict(zip(("data", "expert", "tensor"), shape))
+    assert dict(mesh.shape) == {"replica": 1, **dict(zip(("data", "expert", "tensor"), shape))}
 
 
 def test_group_larger_than_the_smallest_domain_is_refused():
@@ -101,14 +101,43 @@ def test_uneven_domains_do_not_let_groups_straddle():
     except ConfigError:
         return  # refusing is also correct
     domain = _domain_of(jax.devices(), 3)
-    for block in mesh.devices:
+    for block in mesh.devices[0]:
         assert len({domain[x.id] for x in block.flat}) == 1
 
 
 def test_default_domain_is_one_per_process():
     # 8 fake CPU devices in one process: one domain of 8, so expert=8 fits.
     config = load_config([], ["mesh.data=1", "mesh.expert=8", "mesh.tensor=1"])
-    assert dict(build_mesh(config).shape) == {"data": 1, "expert": 8, "tensor": 1}
+    assert dict(build_mesh(config).shape) == {"replica": 1, "data": 1, "expert": 8, "tensor": 1}
+
+
+@pytest.mark.parametrize(
+    "sizes, domain, expected",
+    [
+        ((4, 2, 1), 4, (2, 2, 2, 1)),  # two domains of 4: a replica each, data 2 inside
+        ((8, 1, 1), 4, (2, 4, 1, 1)),
+        ((2, 2, 2), 4, (2, 1, 2, 2)),  # expert x tensor fill a domain: data goes across
+        ((4, 2, 1), 8, (1, 4, 2, 1)),  # one domain: nothing crosses, the mesh of mode fsdp
+        ((2, 2, 1), 8, (1, 2, 2, 1)),
+    ],
+)
+def test_zero1_splits_data_into_replicas_across_domains(sizes, domain, expected):
+    data, expert, tensor = sizes
+    config = _config(data, expert, tensor, "mesh.across_domains=zero1", f"mesh.scale_up_domain={domain}")
+    devices = list(jax.devices())
+    random.Random(domain).shuffle(devices)
+    mesh = build_mesh(config, devices[: data * expert * tensor])
+    assert tuple(mesh.shape.values()) == expected and mesh.axis_names[0] == "replica"
+    of = _domain_of(devices[: data * expert * tensor], domain)
+    replicas = [{of[d.id] for d in block.flat} for block in mesh.devices]
+    assert all(len(r) == 1 for r in replicas), "a replica straddles domains"
+    if expected[0] > 1:
+        assert len(set.union(*replicas)) == expected[0], "replicas share a domain"
+
+
+def test_rules_cannot_name_the_replica_axis():
+    with pytest.raises(ConfigError, match="replica"):
+        load_config([], ["mesh.rules.embed=[replica]"])
 
 
 @pytest.mark.parametrize(
@@ -122,7 +151,7 @@ def test_default_domain_is_one_per_process():
 def test_minus_one_fills_the_remaining_devices(overrides, expected):
     config = load_config([], overrides)
     assert resolve_shape(config, 8) == expected
-    assert dict(build_mesh(config).shape) == expected
+    assert dict(build_mesh(config).shape) == {"replica": 1, **expected}
 
 
 def test_fill_that_does_not_divide_is_refused():
