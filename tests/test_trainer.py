@@ -128,7 +128,7 @@ def interrupted_on_eight(tmp_path_factory):
 
 def test_sigint_in_a_run_saves_that_step_and_gives_the_handlers_back(interrupted_on_eight):
     seen = interrupted_on_eight
-    assert seen["mesh"] == {"data": 2, "expert": 4, "tensor": 1}
+    assert seen["mesh"] == {"replica": 1, "data": 2, "expert": 4, "tensor": 1}
     # Step 2 was in flight when the signal came: it finished, was saved, and run() returned.
     assert seen["stopped"] == ("SIGINT", 2) and [r["step"] for r in seen["first"]] == [1, 2]
     assert seen["checkpoints"] == ["2"]

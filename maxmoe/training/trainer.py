@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from maxmoe import data, runtime, xla_flags
-from maxmoe.config import Config
+from maxmoe.config import REPLICA_AXIS, Config
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.mesh import build_layout
 from maxmoe.training import checkpoint
@@ -129,7 +129,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(config.to_yaml())
             xla_flags.write_effective(self.run_dir, flags)
-            shape = " x ".join(f"{k}={v}" for k, v in self.layout.shape.items())
+            # replica appears when mesh.across_domains=zero1 splits data across domains.
+            shape = " x ".join(f"{k}={v}" for k, v in self.layout.shape.items() if k != REPLICA_AXIS or v > 1)
             self.logger.message(
                 f"maxmoe: {len(self.devices)} {self.devices[0].platform} device(s), mesh {shape}, "
                 f"{self.train_data.description}, steps {self.step}->{t.steps}"
