@@ -20,7 +20,14 @@ from typing import Any
 import yaml
 
 # Names other modules import rather than spell out again.
-MESH_AXES = ("pipeline", "data", "expert", "tensor")  # outermost (spans scale-up domains) to innermost
+# Mesh axes, outermost (may span scale-up domains) to innermost. `pipeline` (stages) and
+# `replica` are in a mesh only when larger than 1. `replica` is derived, not configured: under
+# mesh.across_domains=zero1 it is the part of data parallelism that crosses scale-up domains.
+MESH_AXES = ("pipeline", "replica", "data", "expert", "tensor")
+REPLICA_AXIS = "replica"
+SIZED_MESH_AXES = tuple(a for a in MESH_AXES if a != REPLICA_AXIS)  # the axes mesh.<axis> sizes
+OPTIONAL_MESH_AXES = ("pipeline", REPLICA_AXIS)  # left out of a mesh where their size is 1
+ACROSS_DOMAINS = ("fsdp", "zero1")  # mesh.across_domains (docs/SHARDING.md, "Two tiers")
 PIPELINE_RESIDUALS = ("vjp", "recompute")  # maxmoe.parallel.pipeline
 DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
 GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")  # maxmoe.parallel.grouped_matmul
@@ -188,6 +195,13 @@ class MeshConfig:
     fsdp: bool = _field(False, doc="shard params, grads and optimizer state over data")
     scale_up_domain: int = _field(0, ge=0, doc="devices per NVLink domain; 0: auto")
     allow_cross_domain: bool = _field(False, doc="allow expert x tensor blocks that straddle domains")
+    across_domains: str = _field(
+        "fsdp",
+        choices=ACROSS_DOMAINS,
+        doc="fsdp: data parallelism is one axis, which may span domains; zero1: data splits into replica "
+        "(across domains: weights gathered and gradients reduced once per step, optimizer state sharded "
+        "over every device) x data (inside one domain)",
+    )
     rules: dict = _field(
         DEFAULT_RULES,
         doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp); rules not given keep their defaults",
@@ -585,17 +599,22 @@ def validate(config: Config) -> None:
     """Cross-field checks that need no devices (mesh sizes are checked again in maxmoe.mesh)."""
     m, t, mesh = config.model, config.train, config.mesh
     validate_model(m)
-    for axis in MESH_AXES:
+    for axis in SIZED_MESH_AXES:
         size = getattr(mesh, axis)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size}: must be a positive size or -1 (fill)")
-    if sum(getattr(mesh, a) == -1 for a in MESH_AXES) > 1:
+    if sum(getattr(mesh, a) == -1 for a in SIZED_MESH_AXES) > 1:
         raise ConfigError("only one of mesh.data, mesh.expert, mesh.tensor may be -1")
     for logical, axes in mesh.rules.items():
         if logical not in DEFAULT_RULES:
             raise _unknown(f"mesh.rules.{logical}", [f"mesh.rules.{k}" for k in DEFAULT_RULES])
         # Nothing is sharded over `pipeline` but the pipeline's layer stack (maxmoe.parallel.pipeline).
-        allowed = tuple(a for a in MESH_AXES if a != "pipeline") + ("fsdp",)
+        allowed = tuple(a for a in SIZED_MESH_AXES if a != "pipeline") + ("fsdp",)
+        if isinstance(axes, (list, tuple)) and REPLICA_AXIS in axes:
+            raise ConfigError(
+                f"mesh.rules.{logical}={axes!r}: {REPLICA_AXIS!r} is not for rules; "
+                f"the train step adds it under mesh.across_domains=zero1"
+            )
         if not isinstance(axes, (list, tuple)) or any(a not in allowed for a in axes):
             raise ConfigError(f"mesh.rules.{logical}={axes!r}: expected a list of {', '.join(allowed)}")
     if m.fp8 != "none" and config.moe.dispatch == "capacity":
@@ -633,6 +652,12 @@ def _validate_pipeline(config: Config, stages: int) -> None:
     m, t = config.model, config.train
     if stages <= 1:
         return
+    if config.mesh.across_domains == "zero1":
+        # The pipeline keeps its own per-stage gradient sums; the two-tier step does not run through stages.
+        raise ConfigError(
+            f"mesh.across_domains=zero1 with mesh.pipeline={stages}: the two-tier mode runs without "
+            f"pipeline stages (use mesh.across_domains=fsdp or mesh.pipeline=1)"
+        )
     if m.num_layers - m.first_k_dense < 1:
         raise ConfigError(
             f"mesh.pipeline={stages} needs MoE layers to place on stages; model.num_layers={m.num_layers} "
@@ -698,7 +723,7 @@ def _check_dist(dist: DistConfig) -> None:
 
 def mesh_sizes(config: Config) -> dict[str, int]:
     """The configured mesh sizes; -1 stays -1 until devices are known (maxmoe.mesh resolves it)."""
-    return {a: getattr(config.mesh, a) for a in MESH_AXES}
+    return {a: getattr(config.mesh, a) for a in SIZED_MESH_AXES}
 
 
 def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:

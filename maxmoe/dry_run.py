@@ -11,11 +11,21 @@ per device:
               result, all-reduce 2 (P-1)/P of it (ring), collective-permute its result,
               ops inside loops multiplied by the trip count (scanned layers, grad
               accumulation). `cross-domain` sums the ops whose replica groups hold devices
-              of more than one scale-up domain. The same bytes split by pass
+              of more than one scale-up domain; `cross_domain_max_runs` is how many times
+              per step the most frequent of those runs (1 under mesh.across_domains=zero1).
+              Where XLA:CPU's program differs from the GPU's, the bytes are the GPU's:
+              bf16 collectives (the dispatch's all-to-alls, the two-tier bf16 weight
+              gathers) at bf16 width, and the two-tier gradient reduction across domains,
+              which XLA:CPU leaves as all-reduce + slice, as the reduce-scatter the GPU
+              pipeline makes of it (`as_on_gpu`). The same bytes split by pass
               (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
   flops       analytic model FLOPs per device per step (maxmoe.flops).
+  prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
+              GPU and bound from these FLOPs, collectives (as the GPU moves them, by tier and
+              by whether they run once per step) and memory, and the per-GPU retention if
+              the replicas (cross-domain groups) grew 4-fold.
 The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
 whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
 its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
@@ -37,9 +47,10 @@ import dataclasses
 import math
 import time
 
+from maxmoe import planner
 from maxmoe.config import Config
-from maxmoe.flops import flops_per_token
-from maxmoe.hlo import collective_bytes
+from maxmoe.flops import count_params, flops_per_token
+from maxmoe.hlo import collective_ops, summarize_ops
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
@@ -119,14 +130,58 @@ def pipeline_report(config: Config) -> dict | None:
     }
 
 
+def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
+    """Rows of `collective_ops` with the bytes the GPU program moves where XLA:CPU differs; notes saying so.
+
+    XLA:CPU runs bf16 collectives in f32 (float normalisation): the dispatch's all-to-alls
+    and the two-tier step's gathers of its bf16 weight copy (scope `compute_copy`) are
+    counted at bf16 width. It also leaves the two-tier gradient reduction across domains
+    (scope `reduce_to_zero1`) as an all-reduce followed by a slice, which the GPU pipeline
+    turns into a reduce-scatter: counted as one (half the bytes).
+    """
+    notes, corrected = [], []
+    halve_bf16 = config.model.compute_dtype == "bfloat16"
+    seen = set()
+    for row in rows:
+        names = row["op_name"]  # combined ops join their parts' names: look for the scope anywhere
+        if halve_bf16 and row["dtype"] == "f32" and (row["kind"] == "all-to-all" or "compute_copy" in names):
+            row = {**row, "dtype": "bf16", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
+            seen.add("all-to-all" if row["kind"] == "all-to-all" else "compute_copy")
+        if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in names:
+            row = {
+                **row,
+                "kind": "reduce-scatter",
+                "bytes": row["bytes"] / 2,
+                "bytes_per_run": row["bytes_per_run"] / 2,
+            }
+            seen.add("reduce_to_zero1")
+        corrected.append(row)
+    if "all-to-all" in seen:
+        notes.append(
+            "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
+            "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
+        )
+    if "compute_copy" in seen:
+        notes.append("two-tier weight gathers (scope compute_copy): counted at bf16 width, as the GPU moves them")
+    if "reduce_to_zero1" in seen:
+        notes.append(
+            "two-tier gradient reduction across domains (scope reduce_to_zero1): XLA:CPU leaves all-reduce + "
+            "slice, the GPU pipeline a reduce-scatter; counted as the reduce-scatter"
+        )
+    return corrected, notes
+
+
 # ---------------------------------------------------------------------------------------
 # Compiling one step
 
 
-def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy") -> dict:
+def dry_run_shape(
+    shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy", system: str | None = None
+) -> dict:
     """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
 
-    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring).
+    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring);
+    `system` (a key of maxmoe.planner.SYSTEMS) adds the planner's prediction for it.
     """
     start = time.perf_counter()
     layout = build_layout(shaped, list(mesh.devices.flat), platform="cpu")
@@ -145,20 +200,10 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
     mem = compiled.memory_analysis()
     devices = list(mesh.devices.flat)
     domain = device_domains(devices, shaped.mesh.scale_up_domain)
-    wire = collective_bytes(compiled.as_text(), domain)
+    rows, notes = as_on_gpu(collective_ops(compiled.as_text(), domain), shaped)
+    wire = summarize_ops(rows)
     by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
     by_pass = {name: dict(kinds) for name, kinds in wire["by_pass"].items()}
-    notes = []
-    if shaped.model.compute_dtype == "bfloat16" and by_kind.get("all-to-all"):
-        # XLA:CPU computes bf16 in f32 (float normalisation), so the dispatch's all-to-alls of
-        # bf16 activations appear as f32; the GPU moves them in bf16.
-        for kinds in (by_kind, cross, *by_pass.values()):
-            if "all-to-all" in kinds:
-                kinds["all-to-all"] /= 2
-        notes.append(
-            "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
-            "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
-        )
     native = native_a2a_bytes(shaped, sizes) if ragged else {"forward": 0.0, "backward": 0.0}
     memory_bound = "compiled"
     emulation_temp = 0.0
@@ -189,6 +234,18 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
     t = shaped.train
     tokens = t.batch_size * t.seq_len
     flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
+    prediction = None
+    if system is not None:
+        params = count_params(shaped.model)
+        workload = planner.workload_from_ops(
+            rows,
+            flops,
+            tokens,
+            mesh.size,
+            memory_bytes=total,
+            optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], mesh.size),
+        )
+        prediction = planner.report(workload, planner.SYSTEMS[system])
     if shaped.mesh.scale_up_domain:
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
     else:
@@ -215,6 +272,8 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         "collective_total": sum(wire_kinds.values()),
         "cross_domain": cross,
         "cross_domain_total": sum(v for k, v in cross.items() if k != "emulated_all_to_all"),
+        "cross_domain_max_runs": max((r["runs"] for r in rows if r["cross_domain"]), default=0),
+        "mesh_axes": dict(mesh.shape),
         "native_a2a_bytes": sum(native.values()),
         "native_a2a_bytes_by_pass": native,
         "collectives_by_pass": by_pass,
@@ -226,4 +285,5 @@ def dry_run_shape(shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2
         "lower_s": lower_s,
         "compile_s": compile_s,
         "notes": notes,
+        "prediction": prediction,
     }

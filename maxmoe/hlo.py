@@ -206,19 +206,18 @@ def pass_of(line: str) -> str:
     return "forward" if "jvp(" in name.group(1) else "other"
 
 
-def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:
-    """Per-device bytes on the wire per step by collective kind, and the part crossing domains.
+def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
+    """One row per collective op of compiled HLO: what it moves per device and how often it runs per step.
 
-    `device_domain[i]` is the scale-up domain of the program's device (partition) i.
-    Returns {"by_kind": {kind: bytes}, "cross_domain": {kind: bytes}, "ops": {kind: count},
-    "by_pass": {pass: {kind: bytes}}} (passes as `pass_of` tells them).
+    Row keys: kind, runs (executions per step: enclosing loops' trip counts multiplied),
+    bytes_per_run and bytes (= bytes_per_run x runs; ring factors as in the module
+    docstring), peers (largest replica group), cross_domain (a group spans scale-up
+    domains), dtype (of the result), op_name (jax's, from the metadata; carries
+    jax.named_scope names) and pass (`pass_of`).
     """
     comps, times = computation_runs(hlo_text)
-    by_kind: dict[str, float] = {}
-    cross: dict[str, float] = {}
-    ops: dict[str, int] = {}
-    by_pass: dict[str, dict[str, float]] = {name: {} for name in PASSES}
     n = len(device_domain)
+    rows = []
     for name, lines in comps.items():
         runs = times.get(name, 1.0)
         if runs == 0:
@@ -240,13 +239,47 @@ def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:
                 "reduce-scatter": peers - 1,
                 "collective-permute": 1.0,
             }.get(kind, (peers - 1) / peers)
-            moved = size * factor * runs
-            by_kind[kind] = by_kind.get(kind, 0.0) + moved
-            in_pass = by_pass[pass_of(line)]
-            in_pass[kind] = in_pass.get(kind, 0.0) + moved
-            ops[kind] = ops.get(kind, 0) + int(runs)
-            if any(len({device_domain[i] for i in g if i < n}) > 1 for g in groups):
-                cross[kind] = cross.get(kind, 0.0) + moved
+            op_name = _OP_NAME_RE.search(line)
+            rows.append(
+                {
+                    "kind": kind,
+                    "runs": int(runs),
+                    "bytes_per_run": size * factor,
+                    "bytes": size * factor * runs,
+                    "peers": peers,
+                    "cross_domain": any(len({device_domain[i] for i in g if i < n}) > 1 for g in groups),
+                    "dtype": _SHAPE_RE.search(result).group(1),
+                    "op_name": op_name.group(1) if op_name else "",
+                    "pass": pass_of(line),
+                }
+            )
+    return rows
+
+
+def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:
+    """Per-device bytes on the wire per step by collective kind, and the part crossing domains.
+
+    `device_domain[i]` is the scale-up domain of the program's device (partition) i.
+    Returns {"by_kind": {kind: bytes}, "cross_domain": {kind: bytes}, "ops": {kind: count},
+    "by_pass": {pass: {kind: bytes}}} (passes as `pass_of` tells them).
+    """
+    return summarize_ops(collective_ops(hlo_text, device_domain))
+
+
+def summarize_ops(rows: list[dict]) -> dict:
+    """`collective_bytes`' summary of rows of `collective_ops` (rows may have been corrected first)."""
+    by_kind: dict[str, float] = {}
+    cross: dict[str, float] = {}
+    ops: dict[str, int] = {}
+    by_pass: dict[str, dict[str, float]] = {name: {} for name in PASSES}
+    for row in rows:
+        kind, moved = row["kind"], row["bytes"]
+        by_kind[kind] = by_kind.get(kind, 0.0) + moved
+        in_pass = by_pass[row["pass"]]
+        in_pass[kind] = in_pass.get(kind, 0.0) + moved
+        ops[kind] = ops.get(kind, 0) + row["runs"]
+        if row["cross_domain"]:
+            cross[kind] = cross.get(kind, 0.0) + moved
     return {"by_kind": by_kind, "cross_domain": cross, "ops": ops, "by_pass": by_pass}
 
 

@@ -1,4 +1,4 @@
-"""Devices -> a named ([pipeline,] data, expert, tensor) mesh laid over scale-up domains; logical->mesh rules.
+"""Devices -> a named ([pipeline,] [replica,] data, expert, tensor) mesh over scale-up domains; logical->mesh rules.
 
 A scale-up domain is a set of devices on one fast fabric (an NVLink rack such as a GB300
 NVL72: 72 GPUs; an HGX H100/H200 node: 8). The MoE all-to-all (`expert`) and the
@@ -8,6 +8,13 @@ innermost (fastest varying) axis, `expert` next, and `data` spanning domains. Pi
 stages (`pipeline`, outermost, present when mesh.pipeline > 1) are blocks of whole
 (data, expert, tensor) meshes: only activations between neighbouring stages and the
 end-of-step reductions cross them. Only gradient reductions (and FSDP gathers) cross domains.
+
+Under `mesh.across_domains=zero1` data parallelism has two tiers: `replica` (outermost,
+across domains) x `data` (inside one domain), `data` being the largest part of mesh.data
+that fits a domain beside expert x tensor. Rules never name `replica`: the train step
+adds it (maxmoe.parallel.replicas), and master weights and optimizer state take it on as
+the minor factor of their ZeRO-1 sharding (`zero1_spec`). With one replica (everything in
+one domain) the mesh and the programs are those of `fsdp`.
 
 Logical axis rules are data (`mesh.rules`, docs/SHARDING.md): each logical axis maps to a
 list of mesh axes; the virtual axis `fsdp` means `data` when `mesh.fsdp` is on and nothing
@@ -30,15 +37,25 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config, ConfigError, check_mesh_fits
+from maxmoe.config import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    OPTIONAL_MESH_AXES,
+    REPLICA_AXIS,
+    Config,
+    ConfigError,
+    check_mesh_fits,
+    mesh_sizes,
+)
 from maxmoe.parallel.attention_kernels import kernel, sharded_attention
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
 from maxmoe.parallel.kernel_choice import resolve_kernels
+from maxmoe.parallel.replicas import axes_of, context_sharding
 
 
 def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
     """Mesh sizes for `num_devices`, filling the one -1 axis; checks the product and divisibility."""
-    sizes = {a: getattr(config.mesh, a) for a in MESH_AXES}
+    sizes = mesh_sizes(config)
     fixed = math.prod(s for s in sizes.values() if s != -1)
     fill = [a for a, s in sizes.items() if s == -1]
     if fill:
@@ -76,34 +93,82 @@ def device_domains(devices: Sequence[Any], scale_up_domain: int) -> list[int]:
 
 
 def mesh_axes(sizes: dict[str, int]) -> tuple[str, ...]:
-    """The mesh's axis names: `pipeline` only when there are stages, so a run without them
-    compiles the program it always did."""
-    return tuple(a for a in MESH_AXES if a != "pipeline" or sizes[a] > 1)
+    """The mesh's axis names: `pipeline` and `replica` only when larger than 1, so a run without
+    stages or cross-domain replicas compiles the program it always did."""
+    return tuple(a for a in MESH_AXES if a not in OPTIONAL_MESH_AXES or sizes.get(a, 1) > 1)
+
+
+def split_replicas(config: Config, sizes: dict[str, int], domain_size: int) -> dict[str, int]:
+    """Sizes of every mesh axis (MESH_AXES order) for configured `sizes` and domains of `domain_size` devices.
+
+    `fsdp`: replica = 1. `zero1`: data = the largest divisor of mesh.data that fits a domain
+    beside expert x tensor (gcd(data, domain / (expert x tensor))), replica = the rest.
+    """
+    shape = {REPLICA_AXIS: 1, **sizes}
+    block = sizes["expert"] * sizes["tensor"]
+    if config.mesh.across_domains == "zero1" and domain_size % block == 0:
+        inside = math.gcd(sizes["data"], domain_size // block)
+        shape[REPLICA_AXIS], shape["data"] = sizes["data"] // inside, inside
+    return {a: shape[a] for a in MESH_AXES}
 
 
 def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
-    """The ([pipeline,] data, expert, tensor) mesh with expert x tensor groups inside scale-up domains."""
+    """The ([pipeline,] [replica,] data, expert, tensor) mesh with expert x tensor groups (and replicas)
+    inside scale-up domains."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = resolve_shape(config, len(devices))
     domains = device_domains(devices, config.mesh.scale_up_domain)
+    counts = sorted({domains.count(x) for x in set(domains)})
+    sizes = split_replicas(config, resolve_shape(config, len(devices)), counts[0])
     order = sorted(range(len(devices)), key=lambda i: (domains[i], devices[i].process_index, devices[i].id))
     ordered = [devices[i] for i in order]
     axes = mesh_axes(sizes)
     grid = np.array(ordered, dtype=object).reshape([sizes[a] for a in axes])
     domain_of = {d.id: domains[i] for i, d in enumerate(devices)}
-    # Each row is one expert x tensor block (of one stage, one data index).
-    blocks = grid.reshape(-1, sizes["expert"] * sizes["tensor"])
-    split = [i for i, block in enumerate(blocks) if len({domain_of[d.id] for d in block}) > 1]
-    if split:
+
+    def straddles(block_size: int) -> bool:
+        """Whether any block of `block_size` consecutive devices (one per leading index) spans domains."""
+        return any(len({domain_of[d.id] for d in block}) > 1 for block in grid.reshape(-1, block_size))
+
+    block = sizes["expert"] * sizes["tensor"]
+    message = None
+    if straddles(block):  # each row: one expert x tensor block (of one stage, replica and data index)
         message = (
-            f"mesh.expert x mesh.tensor = {sizes['expert'] * sizes['tensor']} devices do not fit inside one "
-            f"scale-up domain (domains of {sorted(set(domains.count(x) for x in set(domains)))} devices); "
-            f"expert and tensor traffic would cross the slow network"
+            f"mesh.expert x mesh.tensor = {block} devices do not fit inside one "
+            f"scale-up domain (domains of {counts} devices); expert and tensor traffic would cross the slow network"
         )
+    elif sizes[REPLICA_AXIS] > 1 and straddles(sizes["data"] * block):
+        message = (
+            f"mesh.across_domains=zero1: replicas of data x expert x tensor = "
+            f"{sizes['data'] * block} devices straddle scale-up domains of {counts} "
+            f"devices; in-domain FSDP traffic would cross the slow network"
+        )
+    if message:
         if not config.mesh.allow_cross_domain:
             raise ConfigError(message + " (set mesh.allow_cross_domain=true to build it anyway)")
         warnings.warn(message, stacklevel=2)
     return Mesh(grid, axes)
+
+
+def zero1_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: dict[str, int]) -> PartitionSpec:
+    """Where master weights and optimizer state live under zero1: the in-domain `spec` sharded further.
+
+    Added in order, each to the first dimension whose size it still divides: the in-domain
+    axes `spec` leaves unused (e.g. `expert` for dense weights), then `replica`, always as the
+    minor factor of its dimension. So every device's ZeRO-1 block lies inside its in-domain
+    block: ZeRO-1 -> in-domain is an all-gather over `replica` then in-domain ones, and
+    the gradient reduction is a reduce-scatter over `replica` alone (a major `replica`
+    would need an all-to-all). An axis no dimension fits leaves the leaf replicated over it.
+    """
+    entries = [axes_of(e) for e in tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))]
+    used = {a for e in entries for a in e}
+    extra = [a for a in MESH_AXES if a != REPLICA_AXIS and a not in used and mesh_shape.get(a, 1) > 1]
+    extra += [REPLICA_AXIS] if mesh_shape.get(REPLICA_AXIS, 1) > 1 else []
+    for axis in extra:
+        for dim, axes in enumerate(entries):
+            if shape[dim] % (math.prod(mesh_shape[a] for a in axes) * mesh_shape[axis]) == 0:
+                entries[dim] = (*axes, axis)
+                break
+    return PartitionSpec(*[None if not e else e[0] if len(e) == 1 else e for e in entries])
 
 
 def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
@@ -207,6 +272,11 @@ class Layout:
     def shape(self) -> dict[str, int]:
         return dict(self.mesh.shape)
 
+    @property
+    def replicas(self) -> int:
+        """Size of the cross-domain `replica` axis (1 unless mesh.across_domains=zero1 splits data)."""
+        return self.shape.get(REPLICA_AXIS, 1)
+
     def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
         return logical_to_spec(logical_axes, self.rules, self.shape)
 
@@ -216,7 +286,17 @@ class Layout:
     def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         if self.mesh.size == 1:
             return x
-        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes))
+        # Inside the two-tier step's per-replica shard_map the constraint goes on the context mesh.
+        return jax.lax.with_sharding_constraint(x, context_sharding(self.mesh, self.spec(logical_axes)))
+
+    def lookup_table(self, table: jax.Array) -> jax.Array:
+        """A table about to be indexed by token ids (the embedding): whole on every device of a replica.
+
+        Inside the per-replica shard_map XLA's SPMD partitioner aborts on a gather from a
+        table sharded over the in-domain axes (jax 0.10-0.12); gathering the table first
+        avoids it. Outside the two-tier mode the table stays as the rules shard it.
+        """
+        return self.constrain(table, (None,) * table.ndim) if self.replicas > 1 else table
 
     def attention_fn(self, name: str):
         """fn(q, k, v, scale) for attention kernel `name` [batch, seq, heads, head_dim], placed on the mesh."""
@@ -249,6 +329,26 @@ class Layout:
         why = indivisible(name, logical_axes, shape, self.rules, self.shape)
         if why:
             raise ConfigError(why)
+
+    def batch_sharding(self) -> NamedSharding:
+        """Token batches [B, T + 1]: rows over `batch`'s mesh axes, replica-major before them."""
+        rows = axes_of(self.spec(("batch",))[0])
+        if self.replicas > 1:
+            rows = (REPLICA_AXIS, *rows)
+        return NamedSharding(self.mesh, PartitionSpec(rows or None, None))
+
+    def zero1_shardings(self, boxed_tree) -> Any:
+        """ZeRO-1 NamedShardings (`zero1_spec`) for a tree of flax-boxed variables."""
+        logical = nn.get_partition_spec(boxed_tree)
+        shapes = nn.unbox(boxed_tree)
+        return jax.tree.map(
+            lambda spec, leaf: NamedSharding(
+                self.mesh, zero1_spec(self.spec(tuple(spec) if spec is not None else ()), leaf.shape, self.shape)
+            ),
+            logical,
+            shapes,
+            is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+        )
 
     def tree_shardings(self, boxed_tree) -> Any:
         """NamedShardings for a tree of flax-boxed variables (unboxed leaves are replicated).

@@ -15,8 +15,9 @@ the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) a
 --dry-run: N fake CPU devices; one training step is compiled ahead of time per shape and
 described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
 collective kind, by pass (forward, backward: what remat recomputes shows there) and across
-scale-up domains, model FLOPs, and with pipeline stages the schedule's bubble
-(P-1)/(M*V+P-1) and ring size. `--a2a proxy` (default) compiles
+scale-up domains, model FLOPs, with pipeline stages the schedule's bubble
+(P-1)/(M*V+P-1) and ring size, and with `--system` (default: the config's xla.profile)
+maxmoe.planner's predicted step time and TFLOP/s per GPU. `--a2a proxy` (default) compiles
 the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
 `--a2a emulate` as the CPU emulation. The method in full: maxmoe/dry_run.py.
 
@@ -41,16 +42,17 @@ import numpy as np
 
 from maxmoe import runtime
 from maxmoe.cli import config_from_args, main_guard, make_parser
-from maxmoe.config import MESH_AXES, Config, ConfigError, UserError
+from maxmoe.config import SIZED_MESH_AXES, Config, ConfigError, UserError
 from maxmoe.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.mesh import Layout, build_layout, build_mesh, check_divisible, resolve_rules, resolve_shape
+from maxmoe.planner import SYSTEMS
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
 from maxmoe.training.progress import ProgressDisplay
 
-AXES = MESH_AXES
+AXES = SIZED_MESH_AXES  # the sizes a shape sets; replica follows from mesh.across_domains
 
 # ---------------------------------------------------------------------------------------
 # Shapes
@@ -237,6 +239,24 @@ def format_table(results: list[dict], dry_run: bool) -> str:
     return "\n".join(lines)
 
 
+def format_predictions(results: list[dict]) -> str:
+    """The planner's table: one line per shape that has a prediction (maxmoe.planner)."""
+    lines = [
+        f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'system':<6} {'step s':>7} {'tokens/s':>10} "
+        f"{'TFLOP/s/GPU':>11} {'MFU':>5} {'x4 replicas: retention':>22}  bound"
+    ]
+    for i, r in enumerate(results, 1):
+        p = r.get("prediction")
+        if not p:
+            continue
+        retention = next(v for k, v in p.items() if k.startswith("retention_at_"))
+        lines.append(
+            f"{i:>2} {r['name']:<26} {p['system']:<6} {p['step_s']:7.2f} {p['tokens_per_s']:10.0f} "
+            f"{p['tflops_per_gpu']:11.0f} {p['mfu']:5.2f} {retention:22.4f}  {p['bound']}"
+        )
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | None:
     """Bar charts per shape (memory and bytes, or throughput); None when matplotlib is missing."""
     try:
@@ -280,13 +300,21 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
 
 
 def run_shape(
-    config: Config, sizes: dict[str, int], mesh, dry_run: bool, hbm_gb: float, steps: int, warmup: int, a2a: str
+    config: Config,
+    sizes: dict[str, int],
+    mesh,
+    dry_run: bool,
+    hbm_gb: float,
+    steps: int,
+    warmup: int,
+    a2a: str,
+    system: str | None = None,
 ) -> dict:
     """One shape's result: the dry-run description or the timing, or {"error": ...} if it failed."""
     shaped = with_mesh(config, sizes)
     try:
         if dry_run:
-            return {"mesh": sizes, "name": mesh_name(sizes), **dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a)}
+            return {"mesh": sizes, "name": mesh_name(sizes), **dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system)}
         layout = build_layout(shaped, list(mesh.devices.flat))
         return {
             "mesh": sizes,
@@ -311,8 +339,12 @@ def sweep(
     a2a: str = "proxy",
     progress: bool = True,
     pipelines: tuple[int, ...] = (1,),
+    system: str | None = None,
 ) -> dict:
-    """Run the sweep; returns {"results": ranked, "skipped": [...], ...}."""
+    """Run the sweep; returns {"results": ranked, "skipped": [...], ...}.
+
+    `system` (dry run): a key of maxmoe.planner.SYSTEMS to predict each shape's throughput on.
+    """
     if dry_run:
         if not num_devices:
             raise UserError("--dry-run needs --devices N")
@@ -341,7 +373,7 @@ def sweep(
     try:
         for done, (sizes, mesh) in enumerate(kept):
             display.update(done, f"{done}/{len(kept)}  compiling {mesh_name(sizes)}")
-            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a))
+            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a, system))
         display.update(len(kept), f"{len(kept)}/{len(kept)}  done")
     finally:
         display.close()
@@ -352,6 +384,7 @@ def sweep(
         "jax": jax.__version__,
         "hbm_gb": hbm_gb,
         "a2a_model": a2a if dry_run else "native",
+        "system": system if dry_run else None,
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,
         "method": METHOD if dry_run else None,
@@ -382,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         default="proxy",
         help="dry run: ragged all-to-all as a native-shaped stand-in or as the CPU emulation",
     )
+    parser.add_argument(
+        "--system",
+        choices=sorted(SYSTEMS),
+        default=None,
+        help="dry run: predict step time and TFLOP/s per GPU on this system (default: the config's xla.profile)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if not args.config:
@@ -400,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     if args.devices is None and meshes:
         args.devices = math.prod(meshes[0].values())
+    system = args.system or (config.xla.profile if config.xla.profile in SYSTEMS else None)
     start = time.perf_counter()
     report = sweep(
         config,
@@ -412,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         args.a2a,
         progress=not args.no_progress,
         pipelines=pipelines,
+        system=system,
     )
     report["wall_s"] = time.perf_counter() - start
     report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -437,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
             "a2a fwd/bwd = all-to-all by pass; AR/AG/RS = all-reduce/all-gather/reduce-scatter; "
             "TFLOP = model FLOPs per device per step"
         )
+    if args.dry_run and system:
+        print(format_predictions(report["results"]))
     print(f"{len(report['results'])} shapes in {report['wall_s']:.0f}s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,7 @@ def test_expert_and_tensor_groups_stay_inside_a_domain(shape):
     devices = list(jax.devices())
     random.Random(sum(shape)).shuffle(devices)  # the builder must not rely on the input order
     mesh = build_mesh(_config(*shape), devices)
-    assert dict(mesh.shape) == dict(zip(("data", "expert", "tensor"), shape))
+    assert dict(mesh.shape) == dict(zip(("data", "expert", "tensor"), shape))  # no replica axis under fsdp
     domain = _domain_of(devices, DOMAIN)
     grid = mesh.devices
     data, expert, tensor = shape
@@ -109,6 +109,38 @@ def test_default_domain_is_one_per_process():
     # 8 fake CPU devices in one process: one domain of 8, so expert=8 fits.
     config = load_config([], ["mesh.data=1", "mesh.expert=8", "mesh.tensor=1"])
     assert dict(build_mesh(config).shape) == {"data": 1, "expert": 8, "tensor": 1}
+
+
+@pytest.mark.parametrize(
+    "sizes, domain, expected",
+    [
+        ((4, 2, 1), 4, (2, 2, 2, 1)),  # two domains of 4: a replica each, data 2 inside
+        ((8, 1, 1), 4, (2, 4, 1, 1)),
+        ((2, 2, 2), 4, (2, 1, 2, 2)),  # expert x tensor fill a domain: data goes across
+        ((4, 2, 1), 8, (1, 4, 2, 1)),  # one domain: nothing crosses, the mesh of mode fsdp
+        ((2, 2, 1), 8, (1, 2, 2, 1)),
+    ],
+)
+def test_zero1_splits_data_into_replicas_across_domains(sizes, domain, expected):
+    data, expert, tensor = sizes
+    config = _config(data, expert, tensor, "mesh.across_domains=zero1", f"mesh.scale_up_domain={domain}")
+    devices = list(jax.devices())
+    random.Random(domain).shuffle(devices)
+    mesh = build_mesh(config, devices[: data * expert * tensor])
+    # One replica (everything in one domain) is the mesh of mode fsdp: no replica axis.
+    names = ("replica", "data", "expert", "tensor")
+    assert dict(mesh.shape) == {a: s for a, s in zip(names, expected) if a != "replica" or s > 1}
+    of = _domain_of(devices[: data * expert * tensor], domain)
+    blocks = mesh.devices if expected[0] > 1 else mesh.devices[None]
+    replicas = [{of[d.id] for d in block.flat} for block in blocks]
+    assert all(len(r) == 1 for r in replicas), "a replica straddles domains"
+    if expected[0] > 1:
+        assert len(set.union(*replicas)) == expected[0], "replicas share a domain"
+
+
+def test_rules_cannot_name_the_replica_axis():
+    with pytest.raises(ConfigError, match="replica"):
+        load_config([], ["mesh.rules.embed=[replica]"])
 
 
 @pytest.mark.parametrize(

@@ -65,12 +65,15 @@ class Embed(nn.Module):
     hidden_size: int
     dtype: Any = jnp.float32
     std: float = 0.02
+    layout: Any = None
 
     @nn.compact
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         table_VD = logical_param(
             self, "embedding", (self.vocab_size, self.hidden_size), ("vocab", "embed"), std=self.std
         )
+        if self.layout is not None:
+            table_VD = self.layout.lookup_table(table_VD)
         return jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
 
 

@@ -138,7 +138,7 @@ class Transformer(nn.Module):
         dtype = COMPUTE_DTYPES[c.compute_dtype]
         b, t = tokens_BT.shape
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        embed = Embed(c.vocab_size, c.hidden_size, dtype, c.init_std, name="embed")
+        embed = Embed(c.vocab_size, c.hidden_size, dtype, c.init_std, self.layout, name="embed")
         x = constrain(self.layout, embed(tokens_BT), ("batch", "seq", "embed"))
         if c.first_k_dense:
             x, _ = _stack(c, False, c.first_k_dense, "dense_layers", dtype, self.layout)(x, positions_BT)
@@ -159,6 +159,16 @@ class Transformer(nn.Module):
             )
             mtp_logits.append(head(normed))
         return logits_BTV, mtp_logits
+
+
+def uses_float32(path: tuple) -> bool:
+    """Whether the model computes with the parameter at `path` (a tree path) in float32, not the compute dtype.
+
+    Norm scales and the router's gate (DeepSeek-V3 routes in float32); every other weight
+    is cast to the compute dtype where it is used.
+    """
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return names[-1] == "scale" or "router" in names
 
 
 def build_model(config: ModelConfig, layout: Any = None) -> Transformer:

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from maxmoe.parallel.replicas import shard_map_in_context
+
 KERNELS = ("triton", "cudnn", "tokamax")
 # Triton pads the head dim to a power of two (192 -> 256); 64 x 64 forward tiles of 256
 # columns fit the shared memory of Hopper with two pipeline stages, 128 x 128 would not.
@@ -168,7 +170,7 @@ def sharded_attention(name: str, mesh, spec_BTHK: PartitionSpec, *, interpret: b
 
     def run(q_BTHK, k_BSHK, v_BSHK, scale):
         body = functools.partial(fn, scale=scale, interpret=interpret)
-        return jax.shard_map(
+        return shard_map_in_context(
             body, mesh=mesh, in_specs=(PartitionSpec(*spec),) * 3, out_specs=PartitionSpec(*spec), check_vma=False
         )(q_BTHK, k_BSHK, v_BSHK)
 

@@ -69,6 +69,7 @@ from maxmoe.config import DISPATCH_STRATEGIES, MOE_OVERLAPS
 from maxmoe.parallel import dispatch_shard
 from maxmoe.parallel.collectives import RAGGED_A2A_IMPLS, has_native_ragged_all_to_all
 from maxmoe.parallel.dispatch_shard import COMM_NAMES, EXPERT_MATMUL_NAMES, expert_swiglu
+from maxmoe.parallel.replicas import shard_map_in_context
 
 # Logical axes of the routed experts' weights: the model declares its parameters with them and
 # the mesh derives the shard_map's weight specs from them.
@@ -287,7 +288,8 @@ class DispatchPlan:
         tokens = PartitionSpec(self.token_axes, None)
         w_in = PartitionSpec(self.expert_axis, None, self.tensor_axis)
         w_out = PartitionSpec(self.expert_axis, self.tensor_axis, None)
-        y_ND, dropped_frac = jax.shard_map(
+        # Nested in the per-replica shard_map of the two-tier step, only the in-domain axes go manual.
+        y_ND, dropped_frac = shard_map_in_context(
             shard,
             mesh=self.mesh,
             in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),

@@ -28,11 +28,21 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
     """Mean token cross-entropy in float32 (over mask == 1 positions)."""
     logits = logits_BTV.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    picked = _pick(logits, targets_BT)
     nll = logz - picked
     if mask_BT is None:
         return nll.mean()
     return (nll * mask_BT).sum() / jnp.maximum(mask_BT.sum(), 1.0)
+
+
+def _pick(logits_V: jax.Array, index: jax.Array) -> jax.Array:
+    """logits[..., index] (0 where index is out of range), as a masked sum over the last axis.
+
+    Exact (one non-zero term) and, unlike take_along_axis, safe on a vocabulary sharded
+    over an in-domain axis inside the two-tier step's per-replica shard_map, where XLA's
+    SPMD partitioner aborts on that gather (jax 0.10-0.12).
+    """
+    return jnp.where(jnp.arange(logits_V.shape[-1]) == index[..., None], logits_V, 0.0).sum(-1)
 
 
 def vocab_block(v: int, preferred: int) -> int:
@@ -117,9 +127,8 @@ def _forward(h_SBTD, w_DV, targets_SBT, mask_SBT, c, dtype, constrain):
         logits = _block_logits(h_SBTD, w_DC, dtype, constrain)
         new_max = jnp.maximum(row_max, logits.max(-1))
         row_sum = row_sum * jnp.exp(row_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(-1)
-        local, inside = _target_in_block(targets_SBT, j, c)
-        logit = jnp.take_along_axis(logits, jnp.clip(local, 0, c - 1)[..., None], axis=-1)[..., 0]
-        return (new_max, row_sum, picked + jnp.where(inside, logit, 0.0)), None
+        local, _ = _target_in_block(targets_SBT, j, c)
+        return (new_max, row_sum, picked + _pick(logits, local)), None
 
     shape = targets_SBT.shape
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))

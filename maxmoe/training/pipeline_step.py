@@ -21,10 +21,11 @@ import optax
 
 from maxmoe.config import Config
 from maxmoe.model import stages
+from maxmoe.parallel import replicas
 from maxmoe.parallel.pipeline import PipelineFns, pipeline_forward, pipeline_value_and_grad
 from maxmoe.parallel.pipeline_schedule import build_schedule
 from maxmoe.training import stage_state
-from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, mean_stats, micro_batches
+from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, mean_stats
 
 
 def make_fns(config: Config, layout: Any, *, train: bool = True) -> PipelineFns:
@@ -70,7 +71,7 @@ def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransforma
 
     def train_step(state: TrainState, batch_BT: jax.Array):
         stack, stack_state, outer, outer_state = _stage_inputs(config, state.params, state.router)
-        micro = micro_batches(batch_BT, accum)
+        micro = replicas.micro_batches(batch_BT, accum)
         loss, (g_stack, g_outer), (stats, post) = grad_fn(stack, stack_state, outer, outer_state, micro)
         grads = {**g_outer, stages.STACK: g_stack}
         # post: the MTP depths' statistics and losses; stats: every slot's, [V, P, S, ...].
@@ -92,7 +93,7 @@ def make_pipeline_eval_step(config: Config, layout: Any) -> Callable:
     )
 
     def eval_step(params, router, batch_BT):
-        loss, _ = run(*_stage_inputs(config, params, router), micro_batches(batch_BT, accum))
+        loss, _ = run(*_stage_inputs(config, params, router), replicas.micro_batches(batch_BT, accum))
         return loss
 
     return eval_step

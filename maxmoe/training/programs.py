@@ -43,18 +43,26 @@ def build_programs(config: Config, layout) -> Programs:
     """State shardings from the parameters' logical axes; step functions jitted with them.
 
     With pipeline stages the layer stack lives in the stage layout (maxmoe.training.stage_state):
-    init builds model order and re-lays it inside the same program.
+    init builds model order and re-lays it inside the same program. With more than one replica
+    (mesh.across_domains=zero1) params and optimizer state sit on ZeRO-1 shardings (sharded
+    over every device); the state's tree, shapes and dtypes do not change, so checkpoints
+    restore across the two modes.
     """
     optimizer = make_optimizer(config.train)
     boxed = step_lib.abstract_state(config, optimizer, boxed=True)
-    shardings = stage_state.stage_shardings(config, layout.tree_shardings(boxed))
+    shardings = layout.tree_shardings(boxed)
+    if layout.replicas > 1:
+        shardings = shardings.replace(
+            params=layout.zero1_shardings(boxed.params), opt_state=layout.zero1_shardings(boxed.opt_state)
+        )
+    shardings = stage_state.stage_shardings(config, shardings)
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         stage_state.stage_abstract(config, nn.unbox(boxed)),
         shardings,
     )
     layout.check_array("the token batch", ("batch", None), (config.train.batch_size, config.train.seq_len + 1))
-    batch_sharding = layout.sharding(("batch", None))
+    batch_sharding = layout.batch_sharding()
     init = jax.jit(
         lambda key: stage_state.to_stages(config, step_lib.init_state(config, optimizer, key)), out_shardings=shardings
     )

@@ -26,7 +26,15 @@ import optax
 from flax import traverse_util
 
 from maxmoe.config import Config
-from maxmoe.model.transformer import COMPUTE_DTYPES, abstract_variables, build_model, init_variables, shift_left
+from maxmoe.model.transformer import (
+    COMPUTE_DTYPES,
+    abstract_variables,
+    build_model,
+    init_variables,
+    shift_left,
+    uses_float32,
+)
+from maxmoe.parallel import replicas
 from maxmoe.training.loss import cross_entropy, head_cross_entropies
 
 
@@ -151,12 +159,6 @@ def balance_metrics(stats: dict, router: dict | None = None) -> dict[str, jax.Ar
     return metrics
 
 
-def micro_batches(batch_BT: jax.Array, accum: int) -> jax.Array:
-    """[B, ...] -> [accum, B / accum, ...]; the strided split keeps each micro-batch spread over every data shard."""
-    b = batch_BT.shape[0]
-    return batch_BT.reshape(b // accum, accum, *batch_BT.shape[1:]).swapaxes(0, 1)
-
-
 def mean_stats(aux: dict, accum: int) -> dict:
     """Sums over micro-batches -> a step's figures: loads stay summed (global counts), the rest averaged."""
     aux = {k: (v if k == "moe_stats" else v / accum) for k, v in aux.items()}
@@ -166,28 +168,71 @@ def mean_stats(aux: dict, accum: int) -> dict:
     return aux
 
 
-def make_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any = None) -> Callable:
-    """A pure train_step(state, batch) -> (state, metrics), with grad accumulation over a scan."""
-    loss_fn = make_loss_fn(config, layout)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+def _accumulated_grads(config: Config, layout: Any) -> Callable:
+    """grads(params, router, batch) -> (loss, aux, grads): means over grad_accum micro-batches (a scan)."""
+    grad_fn = jax.value_and_grad(make_loss_fn(config, layout), has_aux=True)
     accum = config.train.grad_accum
 
-    def train_step(state: TrainState, batch_BT: jax.Array):
+    def grads_fn(params, router, batch_BT):
         if accum == 1:
-            (loss, aux), grads = grad_fn(state.params, state.router, batch_BT)
-        else:
+            (loss, aux), grads = grad_fn(params, router, batch_BT)
+            return loss, aux, grads
 
-            def body(carry, micro):
-                (loss, aux), grads = grad_fn(state.params, state.router, micro)
-                carry = jax.tree.map(jnp.add, carry, (loss, aux, grads))
-                return carry, None
+        def body(carry, micro):
+            (loss, aux), grads = grad_fn(params, router, micro)
+            carry = jax.tree.map(jnp.add, carry, (loss, aux, grads))
+            return carry, None
 
-            micro = micro_batches(batch_BT, accum)
-            shapes = jax.eval_shape(grad_fn, state.params, state.router, micro[0])
-            (loss0, aux0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            (loss, aux, grads), _ = jax.lax.scan(body, (loss0, aux0, grads0), micro)
-            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
-            aux = mean_stats(aux, accum)
+        # Strided split keeps each micro-batch spread over every data shard.
+        micro = replicas.micro_batches(batch_BT, accum)
+        shapes = jax.eval_shape(grad_fn, params, router, micro[0])
+        (loss0, aux0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        (loss, aux, grads), _ = jax.lax.scan(body, (loss0, aux0, grads0), micro)
+        return loss / accum, mean_stats(aux, accum), jax.tree.map(lambda g: g / accum, grads)
+
+    return grads_fn
+
+
+def _two_tier_grads(config: Config, layout: Any) -> Callable:
+    """grads(params, router, batch) -> (loss, aux, grads) under mesh.across_domains=zero1 (maxmoe.parallel.replicas).
+
+    Params arrive float32 on their ZeRO-1 shardings; the compute-dtype copy is gathered
+    across domains once, each replica accumulates float32 gradients of its micro-batches on
+    the in-domain sharding, and one reduce-scatter per leaf returns their mean to ZeRO-1.
+    Differentiating w.r.t. the compute copy: each use of a weight gets a compute-dtype
+    cotangent, as when the model casts a float32 weight itself; only the sum over a
+    weight's uses in one micro-batch (the embedding: main and MTP) is taken in that dtype.
+    """
+    boxed = abstract_variables(config.model, boxed=True)["params"]
+    zero1, in_domain = layout.zero1_shardings(boxed), layout.tree_shardings(boxed)
+    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
+    grad_fn = jax.value_and_grad(make_loss_fn(config, layout), has_aux=True)
+    accum, r = config.train.grad_accum, layout.replicas
+    accumulate = replicas.make_accumulate(grad_fn, accum, layout.mesh, jax.tree.map(lambda s: s.spec, in_domain))
+    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+
+    def grads_fn(params, router, batch_BT):
+        compute = replicas.compute_copy(params, zero1, in_domain, keep, dtype)
+        loss_R, aux_R, grads_R = accumulate(compute, router, batch_BT)
+        grads = replicas.reduce_to_zero1(grads_R, zero1, 1.0 / (accum * r))
+        aux = mean_stats(jax.tree.map(lambda v: v.sum(0), aux_R), accum * r)
+        return loss_R.sum(0) / (accum * r), aux, grads
+
+    return grads_fn
+
+
+def make_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any = None) -> Callable:
+    """A pure train_step(state, batch) -> (state, metrics), with grad accumulation over a scan.
+
+    On a layout with more than one replica (mesh.across_domains=zero1 over several
+    domains) the gradients come from the two-tier step; params and optimizer state are
+    then on ZeRO-1 shardings (`maxmoe.training.programs`).
+    """
+    two_tier = layout is not None and layout.replicas > 1
+    grads_fn = _two_tier_grads(config, layout) if two_tier else _accumulated_grads(config, layout)
+
+    def train_step(state: TrainState, batch_BT: jax.Array):
+        loss, aux, grads = grads_fn(state.params, state.router, batch_BT)
         return apply_gradients(config, optimizer, state, loss, aux, grads)
 
     return train_step
@@ -235,13 +280,29 @@ def apply_gradients(
 
 
 def make_eval_step(config: Config, layout: Any = None) -> Callable:
-    """eval_step(params, router, batch) -> next-token loss (no MTP, no balance terms)."""
+    """eval_step(params, router, batch) -> next-token loss (no MTP, no balance terms).
+
+    With more than one replica each evaluates its own rows (in the compute dtype, as
+    training does) and the losses are averaged: every row has the same positions, so
+    that is the mean over the batch.
+    """
     loss_fn = make_loss_fn(config, layout)
 
     def eval_step(params, router, batch_BT):
         return loss_fn(params, router, batch_BT)[1]["lm_loss"]
 
-    return eval_step
+    if layout is None or layout.replicas == 1:
+        return eval_step
+    boxed = abstract_variables(config.model, boxed=True)["params"]
+    zero1, in_domain = layout.zero1_shardings(boxed), layout.tree_shardings(boxed)
+    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
+    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+    per_replica = replicas.replica_mean(eval_step, layout.mesh)
+
+    def two_tier_eval_step(params, router, batch_BT):
+        return per_replica(replicas.compute_copy(params, zero1, in_domain, keep, dtype), router, batch_BT)
+
+    return two_tier_eval_step
 
 
 def _fresh_state(variables: dict, optimizer: optax.GradientTransformation) -> TrainState:

@@ -1,0 +1,198 @@
+"""maxmoe.planner against hand-worked cases.
+
+A made-up system keeps the arithmetic readable: 1,000 TFLOP/s bf16, 100 GB of HBM at 1 TB/s,
+500 GB/s NVLink and 100 GB/s scale-out per GPU. Unless a case says otherwise, compute runs
+at efficiency 0.5 and links at full bandwidth with no latency, so 1e15 FLOP take 2 s.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from maxmoe.config import load_config
+from maxmoe.dry_run import as_on_gpu
+from maxmoe.planner import (
+    GB,
+    SYSTEMS,
+    Assumptions,
+    Collective,
+    System,
+    Workload,
+    collective_seconds,
+    optimizer_bytes,
+    predict,
+    report,
+    retention,
+    scale_replicas,
+    workload_from_ops,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = System("test", 1000.0, 2000.0, 100.0, 1.0, 500.0, 100.0, 8)
+IDEAL = Assumptions(
+    compute_efficiency=0.5,
+    link_efficiency=(("scale_up", 1.0), ("scale_out", 1.0)),
+    latency_s=(("scale_up", 0.0), ("scale_out", 0.0)),
+)
+
+
+def workload(*collectives, **kwargs):
+    return Workload(1e15, 1_000_000, 8, collectives, **kwargs)
+
+
+def test_pure_compute():
+    p = predict(workload(), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(2.0)
+    assert p.tokens_per_s == pytest.approx(500_000)
+    assert p.tflops_per_gpu == pytest.approx(500.0)  # 1e15 FLOP in 2 s
+    assert p.mfu == pytest.approx(0.5)
+    assert p.bound == "compute" and p.fits
+
+
+def test_fp8_peak_halves_compute_time():
+    p = predict(workload(), SYSTEM, Assumptions(compute_efficiency=0.5, precision="fp8"))
+    assert p.step_s == pytest.approx(1.0)  # 1e15 / (2e15 x 0.5)
+
+
+def test_once_per_step_cross_domain_traffic_is_exposed():
+    # 100 GB at 100 GB/s = 1 s outside the loop: nothing to hide behind, 2 + 1 s.
+    p = predict(workload(Collective("reduce-scatter", "scale_out", 100 * GB, 1, 4, "step")), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(3.0)
+    assert p.contributions["cross-domain traffic"] == pytest.approx(1.0)
+    assert p.bound == "compute"
+    # 300 GB: 3 s, more than the 2 s of compute: the traffic bounds the step.
+    p = predict(workload(Collective("reduce-scatter", "scale_out", 300 * GB, 1, 4, "step")), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(5.0)
+    assert p.bound == "cross-domain traffic"
+
+
+def test_overlapped_traffic_costs_its_exposed_part_until_it_outlasts_compute():
+    # 500 GB over NVLink at 500 GB/s = 1 s in the loop, 90% hidden: 2 + 0.1 s.
+    p = predict(workload(Collective("all-gather", "scale_up", 500 * GB, 10, 8)), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(2.1)
+    # 2,500 GB = 5 s: 4.5 s hidden is longer than the 2 s of compute: 4.5 + 0.5 exposed.
+    p = predict(workload(Collective("all-gather", "scale_up", 2500 * GB, 10, 8)), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(5.0)
+    assert p.contributions["scale-up traffic"] == pytest.approx(3.0)  # 0.5 exposed + 2.5 beyond compute
+    assert p.bound == "scale-up traffic"
+
+
+def test_the_expert_all_to_all_is_exposed_and_named():
+    p = predict(workload(Collective("all-to-all", "scale_up", 1500 * GB, 100, 64)), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(5.0)  # 2 + 1,500 / 500
+    assert p.bound == "expert all-to-all"
+
+
+def test_latency_counts_ring_hops():
+    a = Assumptions(latency_s=(("scale_up", 10e-6), ("scale_out", 10e-6)))
+    gather = Collective("all-gather", "scale_out", 0.0, 10, 4, "step")
+    reduce = Collective("all-reduce", "scale_out", 0.0, 10, 4, "step")
+    a2a = Collective("all-to-all", "scale_up", 0.0, 10, 64)
+    assert collective_seconds(gather, SYSTEM, a) == pytest.approx(10 * 3 * 10e-6)  # P - 1 hops
+    assert collective_seconds(reduce, SYSTEM, a) == pytest.approx(10 * 6 * 10e-6)  # reduce-scatter + all-gather
+    assert collective_seconds(a2a, SYSTEM, a) == pytest.approx(10 * 10e-6)  # every peer at once
+
+
+def test_link_efficiency_divides_bandwidth():
+    a = Assumptions(
+        link_efficiency=(("scale_up", 0.8), ("scale_out", 0.5)), latency_s=(("scale_up", 0.0), ("scale_out", 0.0))
+    )
+    out = Collective("all-gather", "scale_out", 100 * GB, 1, 2, "step")
+    up = Collective("all-gather", "scale_up", 400 * GB, 1, 2)
+    assert collective_seconds(out, SYSTEM, a) == pytest.approx(2.0)  # 100 / (100 x 0.5)
+    assert collective_seconds(up, SYSTEM, a) == pytest.approx(1.0)  # 400 / (500 x 0.8)
+
+
+def test_throughput_per_gpu_falls_as_cross_domain_bytes_grow():
+    for phase in ("step", "loop"):
+        tflops = [
+            predict(workload(Collective("reduce-scatter", "scale_out", b * GB, 6, 4, phase)), SYSTEM).tflops_per_gpu
+            for b in (0, 10, 100, 1000, 10_000)
+        ]
+        assert all(x > y for x, y in zip(tflops[1:], tflops[2:])), (phase, tflops)
+        assert tflops[1] <= tflops[0] and tflops[-1] < tflops[0] / 5, (phase, tflops)
+    # Default assumptions, once per step (exposed): 3 ring hops of 5 us, and 10 GB at
+    # 100 GB/s x 0.85 link efficiency, after 2 s of compute.
+    p = predict(workload(Collective("reduce-scatter", "scale_out", 10 * GB, 1, 4, "step")), SYSTEM)
+    assert p.step_s == pytest.approx(2.0 + 3 * 5e-6 + 10 / 85)
+
+
+def test_retention_from_4_to_16_replicas():
+    # R = 4: a reduce-scatter of a 100 GB buffer moves 3/4 x 100 = 75 GB: 0.75 s, step 2.75 s.
+    # R = 16: 15/16 x 100 = 93.75 GB: 0.9375 s, step 2.9375 s. Per GPU: 2.75 / 2.9375.
+    small = workload(Collective("reduce-scatter", "scale_out", 75 * GB, 1, 4, "step"))
+    large = scale_replicas(small, 4)
+    assert large.devices == 32 and large.tokens_per_step == 4_000_000
+    assert large.collectives[0].bytes == pytest.approx(93.75 * GB) and large.collectives[0].peers == 16
+    assert retention(small, large, SYSTEM, IDEAL) == pytest.approx(2.75 / 2.9375)
+    assert report(small, SYSTEM, IDEAL)["retention_at_32_devices"] == pytest.approx(2.75 / 2.9375)
+
+
+def test_memory_that_does_not_fit_bounds_the_step():
+    p = predict(workload(memory_bytes=120 * GB), SYSTEM, IDEAL)
+    assert not p.fits and p.bound == "memory (does not fit)"
+
+
+def test_optimizer_hbm_time_is_added():
+    # 1e12 params over 56 devices: 28 B each = 500 GB read and written at 1 TB/s = 0.5 s.
+    assert optimizer_bytes(1e12, 56) == pytest.approx(500 * GB)
+    p = predict(workload(optimizer_bytes=500 * GB), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(2.5) and p.contributions["memory"] == pytest.approx(0.5)
+
+
+def test_hlo_rows_group_by_tier_kind_and_phase():
+    def row(kind, runs, size, peers, cross):
+        return {"kind": kind, "runs": runs, "bytes": size, "peers": peers, "cross_domain": cross}
+
+    rows = [
+        row("all-gather", 1, 8.0, 4, True),
+        row("all-gather", 1, 4.0, 4, True),
+        row("reduce-scatter", 1, 6.0, 4, True),
+        row("all-to-all", 12, 24.0, 8, False),
+        row("all-to-all", 12, 24.0, 8, False),
+        row("all-gather", 1, 1.0, 2, False),
+    ]
+    w = workload_from_ops(rows, 1e12, 100, 8)
+    got = {(c.tier, c.kind, c.phase): (c.bytes, c.launches, c.peers) for c in w.collectives}
+    assert got == {
+        ("scale_out", "all-gather", "step"): (12.0, 2, 4),
+        ("scale_out", "reduce-scatter", "step"): (6.0, 1, 4),
+        ("scale_up", "all-to-all", "loop"): (48.0, 24, 8),
+        ("scale_up", "all-gather", "step"): (1.0, 1, 2),
+    }
+
+
+def test_dry_run_counts_what_the_gpu_moves():
+    config = load_config([str(ROOT / "configs" / "tiny.yaml")], ["model.compute_dtype=bfloat16"])
+
+    def row(kind, dtype, op_name, cross=True):
+        return {"kind": kind, "runs": 1, "bytes": 8.0, "bytes_per_run": 8.0, "peers": 4, "cross_domain": cross,
+                "dtype": dtype, "op_name": op_name, "pass": "other"}  # fmt: skip
+
+    rows, notes = as_on_gpu(
+        [
+            row("all-gather", "f32", "jit(train_step)/compute_copy/sharding_constraint"),  # bf16 on the GPU
+            row("all-gather", "f32", "jit(train_step)/float32_copy/sharding_constraint"),  # f32 there too
+            row("all-reduce", "f32", "jit(train_step)/(reduce_sum:reduce_to_zero1/reduce_sum:reduce_to_zero1)"),
+            row("all-reduce", "f32", "jit(train_step)/reduce_sum"),  # a scalar, stays an all-reduce
+            row("all-to-all", "f32", "jit(train_step)/moe", cross=False),
+        ],
+        config,
+    )
+    assert [(r["kind"], r["dtype"], r["bytes"]) for r in rows] == [
+        ("all-gather", "bf16", 4.0),
+        ("all-gather", "f32", 8.0),
+        ("reduce-scatter", "f32", 4.0),
+        ("all-reduce", "f32", 8.0),
+        ("all-to-all", "bf16", 4.0),
+    ]
+    assert len(notes) == 3
+
+
+def test_system_table():
+    for s in SYSTEMS.values():
+        assert s.peak_fp8_tflops == pytest.approx(2 * s.peak_bf16_tflops, rel=1e-3)
+        assert s.domain_gpus in (8, 72)
+    assert SYSTEMS["gb300"].scale_out_gb_s == pytest.approx(800 / 8)  # ConnectX-8, 800 Gb/s
+    assert SYSTEMS["h100"].scale_out_gb_s == pytest.approx(400 / 8)  # ConnectX-7, 400 Gb/s
+    assert SYSTEMS["gb300"].scale_up_gb_s == pytest.approx(1800 / 2)  # NVLink 5: 1.8 TB/s both ways
