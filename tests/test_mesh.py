@@ -296,3 +296,8 @@ def test_the_671b_rules_on_1024_devices_name_the_latent_that_does_not_divide():
         error.value
     )
     check_divisible(boxed, resolve_rules(config), {"data": 4, "expert": 64, "tensor": 1})  # the shipped 256-GPU mesh
+
+
+def test_zero1_with_pipeline_stages_is_refused():
+    with pytest.raises(ConfigError, match="mesh.across_domains=zero1 with mesh.pipeline=2"):
+        load_config([], ["mesh.across_domains=zero1", "mesh.pipeline=2", "mesh.data=2", "train.grad_accum=2"])
