@@ -32,6 +32,10 @@ its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the 
 collective's shapes instead (the dispatch plan's a2a_impl="balanced_stand_in"): a dense
 all-to-all of min(N, M) rows -- what a native ragged all-to-all moves under balanced
 routing, (P-1)/P of the n x K token copies -- written into the same [M, D] output buffer.
+With it the grouped GEMM, where it would be XLA's ragged_dot, is a batched GEMM over equal
+blocks of the buffer (maxmoe.parallel.grouped_matmul's balanced stand-in): XLA:CPU expands
+ragged_dot's gradients into masked [G, M, D] copies of the rows (G local experts: 32 x the
+buffer at 32 experts per device), which no GPU kernel holds.
 `--a2a emulate` compiles the emulation as the CPU runs it, reports its all-to-all bytes as
 `emulated_all_to_all`, replaces them by the analytic native figure and marks the memory as
 an upper bound. Either way `native_a2a_bytes` is the analytic figure: n x K x D x bytes x
@@ -54,6 +58,7 @@ from maxmoe.hlo import collective_ops, summarize_ops
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
+from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN
 from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
 from maxmoe.training.stage_state import slot_layout
@@ -189,7 +194,12 @@ def dry_run_shape(
     plan = layout.dispatch_plan
     ragged = plan is not None and plan.strategy == "ragged_a2a" and plan.expert_ranks > 1
     if ragged and a2a == "proxy":
-        layout = dataclasses.replace(layout, dispatch_plan=dataclasses.replace(plan, a2a_impl="balanced_stand_in"))
+        # The GPU-shaped program: native-shaped all-to-alls, and the GPU kernels' grouped-GEMM
+        # buffers instead of XLA:CPU's ragged_dot expansion ([G, M, D] masked copies).
+        stand_in = {"a2a_impl": "balanced_stand_in"}
+        if plan.grouped_matmul == "ragged_dot":
+            stand_in["grouped_matmul"] = BALANCED_STAND_IN
+        layout = dataclasses.replace(layout, dispatch_plan=dataclasses.replace(plan, **stand_in))
     programs = build_programs(shaped, layout)
     lowered = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(shaped)).lower()
     lower_s = time.perf_counter() - start

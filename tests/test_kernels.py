@@ -18,7 +18,7 @@ import pytest
 from maxmoe.model.attention_ops import chunked_attention, xla_attention
 from maxmoe.parallel import mosaic_ragged_dot
 from maxmoe.parallel.attention_kernels import triton_attention
-from maxmoe.parallel.grouped_matmul import grouped_matmul
+from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, grouped_matmul
 from maxmoe.parallel.kernel_choice import gpu_generation, resolve_attention, resolve_grouped_matmul
 from maxmoe.training.loss import cross_entropy, head_cross_entropies, head_cross_entropy
 
@@ -157,6 +157,23 @@ def test_tokamax_backend_through_its_reference_path_equals_the_dense_loop(sizes)
     np.testing.assert_allclose(got, grouped_matmul(x, w, sizes, backend="dense_loop"), **TOL)
     grads = jax.grad(loss, argnums=(0, 1))
     for a, b in zip(grads(x, w, "tokamax"), grads(x, w, "dense_loop")):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_dry_run_stand_in_equals_the_dense_loop_on_balanced_groups():
+    """The dry run's grouped GEMM is the grouped product when every group has M/G rows (its premise)."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    x, w = jax.random.normal(keys[0], (96, 16)), jax.random.normal(keys[1], (4, 16, 12)) / 4
+    target = jax.random.normal(keys[2], (96, 12))
+    sizes = jnp.full((4,), 24, jnp.int32)
+
+    def loss(x, w, backend):
+        return jnp.sum(grouped_matmul(x, w, sizes, backend=backend) * target)
+
+    got = grouped_matmul(x, w, sizes, backend=BALANCED_STAND_IN)
+    np.testing.assert_allclose(got, numpy_grouped_matmul(np.asarray(x), np.asarray(w), [24] * 4), **TOL)
+    grads = jax.grad(loss, argnums=(0, 1))
+    for a, b in zip(grads(x, w, BALANCED_STAND_IN), grads(x, w, "dense_loop")):
         np.testing.assert_allclose(a, b, **TOL)
 
 

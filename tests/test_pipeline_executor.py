@@ -146,3 +146,39 @@ def test_activation_memory_is_bounded_by_stages_not_micro_batches():
         gpipe[micro] = temp_bytes(jax.grad(lambda p, *rest, f=forward: f(p, *rest)[0]), *args)
     assert temps[8] <= 1.15 * temps[4], temps
     assert gpipe[8] >= 1.5 * gpipe[4], gpipe  # the control: the measurement tells the two apart
+
+
+def bf16_layer(h, w):
+    """A layer whose matmul runs in bfloat16, so its jax.vjp keeps bfloat16 residuals."""
+    product = jnp.dot(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    y = h + jnp.tanh(product)
+    return y, jnp.mean(y**2)
+
+
+def test_bfloat16_residuals_pass_through_the_ring_exactly():
+    """The ring keeps sub-32-bit residuals as raw bits. Oracle: the same pipeline with
+    residuals="recompute", whose ring holds only the float32 chunk input and which re-runs
+    the chunk (so the same bf16 products per micro-batch; autodiff of the whole batch at
+    once would round the bf16 weight gradients differently)."""
+
+    def bf16_stage(params, state, h):
+        def slot(h, inputs):
+            w, on = inputs
+            y, aux = bf16_layer(h, w)
+            return jnp.where(on, y, h), jnp.where(on, aux, 0.0)
+
+        h, aux = jax.lax.scan(slot, h, (params["w"], state["mask"]))
+        return (h, aux.sum()), {"aux": aux}
+
+    slots = SlotLayout(4, 2, 1, 0)
+    stack, outer, inputs = problem(slots.layers, 4)
+    args = ({"w": slots.to_stages(stack)}, {"mask": jnp.asarray(slots.mask())}, outer, {}, inputs)
+    fns, schedule = PipelineFns(pre, bf16_stage, post, AUX), build_schedule(2, 1, 4)
+    results = {}
+    for residuals in ("vjp", "recompute"):
+        fn = pipeline_value_and_grad(fns, schedule, pipeline_mesh(2), residuals=residuals)
+        results[residuals] = jax.jit(fn)(*args)
+        assert residuals == "recompute" or "bfloat16" in [d for _, d in fn.info["residual_shapes"]], fn.info
+    (loss, grads, stats), (want_loss, want_grads, want_stats) = results["vjp"], results["recompute"]
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    jax.tree.map(assert_close, (grads, stats), (want_grads, want_stats))

@@ -15,6 +15,12 @@ Backends (`moe.grouped_matmul`; `auto` is resolved per platform by
                 brings its own VJP; on CPU its XLA reference. Cannot be lowered without a GPU.
   "dense_loop"  a plain loop over groups that masks rows and does a full matmul per
                 group: G times the FLOPs, kept as the test oracle and for debugging.
+  "balanced_stand_in"  dry runs only, never a config choice: one batched GEMM over G
+                equal blocks of rows (what balanced routing gives), so a program compiled
+                on CPU holds the GPU kernels' buffers -- rows in, rows out, dx, dw --
+                instead of XLA:CPU's expansion of ragged_dot, whose gradient broadcasts
+                the rows to a masked [G, M, D] copy (32 local experts: 32 x). Its values
+                ignore the group sizes.
 Pallas kernels are not partitioned by GSPMD: under a mesh they are called inside the
 dispatch's shard_map, on local arrays only.
 """
@@ -29,6 +35,8 @@ from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul
 # The name remat policies save the gate/up GEMM output [M, 2F] by, whatever the backend
 # (maxmoe.parallel.dispatch_shard.EXPERT_MATMUL_NAMES).
 EXPERT_GATE_UP = "moe_expert_gate_up"
+# The dry run's grouped GEMM (see the module docstring); not in GROUPED_MATMUL_BACKENDS.
+BALANCED_STAND_IN = "balanced_stand_in"
 
 
 def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
@@ -59,6 +67,8 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
         out_MF = _tokamax(x_MD, w_GDF, group_sizes_G)
     elif backend == "dense_loop":
         out_MF = _dense_loop(x_MD, w_GDF, group_sizes_G)
+    elif backend == BALANCED_STAND_IN:
+        out_MF = _balanced_stand_in(x_MD, w_GDF, group_sizes_G)
     else:
         allowed = ", ".join(repr(b) for b in GROUPED_MATMUL_BACKENDS)
         raise ValueError(f"unknown grouped_matmul backend {backend!r}; expected one of {allowed}")
@@ -115,3 +125,17 @@ def _dense_loop(x_MD, w_GDF, group_sizes_G):
         product_MF = jnp.einsum("md,df->mf", x_MD, w_GDF[g], preferred_element_type=jnp.float32)
         out_MF = out_MF + jnp.where(in_group_M[:, None], product_MF, 0.0)
     return out_MF
+
+
+def _balanced_stand_in(x_MD, w_GDF, group_sizes_G):
+    """Dry runs: the rows as G equal blocks, one batched [M/G, D] x [D, F] GEMM per group.
+
+    The buffers and FLOPs of a grouped GEMM over a full buffer of balanced groups; the
+    values are not the grouped product (group sizes are read only to keep them live).
+    """
+    m, g = x_MD.shape[0], w_GDF.shape[0]
+    rows = -(-m // g)
+    x_GRD = jnp.pad(x_MD, ((0, rows * g - m), (0, 0))).reshape(g, rows, x_MD.shape[1])
+    out_GRF = jnp.einsum("grd,gdf->grf", x_GRD, w_GDF, preferred_element_type=jnp.float32)
+    out_MF = out_GRF.reshape(rows * g, w_GDF.shape[2])[:m]
+    return out_MF + jnp.sum(group_sizes_G).astype(jnp.float32) * 0

@@ -143,6 +143,26 @@ class _RecomputeResiduals:
 RESIDUALS = {"vjp": _VjpResiduals, "recompute": _RecomputeResiduals}
 
 
+# Ring entries narrower than 32 bits are kept as raw bits: XLA:CPU runs a bf16
+# dynamic-update-slice in float32 and then carries a float32 copy of the whole ring
+# through the schedule's loops (2x the ring), which a bitcast (free) avoids.
+_BITS = {2: jnp.uint16, 1: jnp.uint8}
+
+
+def _ring_dtype(dtype):
+    dtype = jnp.dtype(dtype)
+    return _BITS[dtype.itemsize] if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in _BITS else dtype
+
+
+def _to_ring(a):
+    dtype = _ring_dtype(a.dtype)
+    return a if dtype == a.dtype else jax.lax.bitcast_convert_type(a, dtype)
+
+
+def _from_ring(a, dtype):
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
+
+
 def _send(a, stages: int, step: int):
     """Pass `a` to the stage `step` places on around the ring (one collective permute)."""
     if stages == 1:
@@ -190,7 +210,7 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
             inp = _index(inputs, micro)
             x_in = jax.lax.cond((p == 0) & (chunk == 0), lambda: pre(outer, inp), lambda: c["x_recv"])
             (y, aux), stats, kept = stash.forward(_index(params_VS, chunk), _index(state_VS, chunk), x_in)
-            c["ring"] = [r.at[slot].set(k) for r, k in zip(c["ring"], kept, strict=True)]
+            c["ring"] = [r.at[slot].set(_to_ring(k)) for r, k in zip(c["ring"], kept, strict=True)]
             # Idle items computed on placeholders (possibly non-finite): selected away, never multiplied.
             c["stats"] = jax.tree.map(
                 lambda acc, s: acc.at[chunk].add(jnp.where(valid == 1, s, 0).astype(acc.dtype)), c["stats"], stats
@@ -211,7 +231,8 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
         def backward(t, c):
             micro, chunk, slot, valid = (tables[t, p, 4 + i] for i in range(4))
             params_v, state_v = _index(params_VS, chunk), _index(state_VS, chunk)
-            vjp_fn = stash.vjp([r[slot] for r in c["ring"]], params_v, state_v)
+            kept = [_from_ring(r[slot], k.dtype) for r, k in zip(c["ring"], stash.shapes, strict=True)]
+            vjp_fn = stash.vjp(kept, params_v, state_v)
             dy = jnp.where((p == P - 1) & (chunk == V - 1), c["dh"], c["dx_recv"])
             d_aux = _varying(jnp.asarray(fns.aux_weight * inv_m, jnp.float32))
             d_params, dx = vjp_fn((dy, d_aux))
@@ -249,7 +270,7 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
                 "x_recv": zeros_x,
                 "dx_recv": zeros_x,
                 "dh": zeros_x,
-                "ring": [jnp.zeros((schedule.slots, *r.shape), r.dtype) for r in stash.shapes],
+                "ring": [jnp.zeros((schedule.slots, *r.shape), _ring_dtype(r.dtype)) for r in stash.shapes],
                 "g_stage": _zeros(params_VS, jnp.float32),
                 "g_outer": _zeros(outer, jnp.float32),
                 "loss": jnp.zeros((), jnp.float32),
