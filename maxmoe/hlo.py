@@ -16,6 +16,9 @@ Two texts, two questions:
                                  2 (P-1)/P of it (ring), collective-permute its result; ops
                                  inside loops multiplied by the loop's known trip count;
                                  also split by pass (`pass_of`: forward, backward, other).
+  dot_flops(hlo)                  dot and convolution FLOPs one device runs per step of
+                                 compiled HLO: loops x trip count, each conditional at its
+                                 most expensive branch (pipeline stages tick in lockstep).
 
 This is the one place that parses collectives out of program text; `maxmoe.info --lower`,
 the sweep's dry run and the benchmarks all read programs through it.
