@@ -201,7 +201,9 @@ def bubble_baseline(config: Config) -> Config:
     """`config` without pipeline stages on the same devices: pipeline=1, data x P, grad_accum M / P."""
     stages = config.mesh.pipeline
     mesh = dataclasses.replace(config.mesh, pipeline=1, data=config.mesh.data * stages)
-    return config.replace(mesh=mesh, train=dataclasses.replace(config.train, grad_accum=config.train.grad_accum // stages))
+    return config.replace(
+        mesh=mesh, train=dataclasses.replace(config.train, grad_accum=config.train.grad_accum // stages)
+    )
 
 
 def _compile_step(shaped: Config, devices: list, a2a: str):
