@@ -34,11 +34,13 @@ per device:
               batch still divides; dot FLOPs are linear in tokens, so per step they equal
               what M micro-batches would give). The dry run compiles that second program
               itself for each shape with stages (twice the compile time, no memory figures
-              from it). Remat recompute, attention and the optimizer cancel; what remains
-              is the bubble plus stage imbalance as the lockstep ticks count it: padding
-              slots counted as full layers (their skip is a conditional), and the
-              embedding and dense layers (stage 0) and the head and MTP (stage P-1)
-              counted in every tick, each at its stage's cost.
+              from it): a sweep seldom holds the matching shape, whose grad_accum differs.
+              Remat recompute, attention and the optimizer cancel; what remains is the
+              bubble plus stage imbalance as the lockstep ticks count it: padding slots
+              counted as full layers (their skip is a conditional), and the embedding and
+              dense layers (stage 0) and the head and MTP (stage P-1) counted in every
+              tick. An upper bound: a tick costs its busiest stage's work, less than the
+              sum over conditionals of each one's busiest branch.
   prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
               GPU and bound from these FLOPs, collectives (as the GPU moves them, by tier and
               by whether they run once per step) and memory, and the per-GPU retention if
