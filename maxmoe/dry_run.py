@@ -71,7 +71,7 @@ import math
 import time
 
 from maxmoe import planner
-from maxmoe.config import Config
+from maxmoe.config import Config, ConfigError
 from maxmoe.flops import count_params, flops_per_token
 from maxmoe.hlo import collective_ops, dot_flops, summarize_ops
 from maxmoe.mesh import build_layout, device_domains
@@ -233,8 +233,11 @@ def _compile_step(shaped: Config, devices: list, a2a: str):
 
 def measured_bubble(shaped: Config, devices: list, a2a: str, pipeline_dots: float) -> dict:
     """The measured bubble of a staged config against `bubble_baseline` (see the module docstring)."""
-    baseline = bubble_baseline(shaped)
-    compiled, *_, compile_s = _compile_step(baseline, devices, a2a)
+    try:
+        baseline = bubble_baseline(shaped)
+        compiled, *_, compile_s = _compile_step(baseline, devices, a2a)
+    except ConfigError as e:  # the stage-less shape may not fit these devices: no measurement, say why
+        return {"bubble_measured": None, "dot_flops": pipeline_dots, "baseline_error": str(e)}
     ideal = dot_flops(compiled.as_text())
     return {
         "bubble_measured": 1.0 - ideal / pipeline_dots if pipeline_dots else None,

@@ -243,7 +243,7 @@ def format_table(results: list[dict], dry_run: bool) -> str:
 def measured_text(p: dict) -> str:
     """The measured bubble of a pipeline report, with the dot FLOPs it comes from (maxmoe.dry_run)."""
     if p.get("bubble_measured") is None:
-        return "measured: -"
+        return f"measured: - ({p['baseline_error']})" if p.get("baseline_error") else "measured: -"
     return (
         f"{p['bubble_measured']:.3f} (measured: {p['dot_flops'] / 1e12:.4g} dot TFLOP per device "
         f"against {p['dot_flops_ideal'] / 1e12:.4g} at {p['baseline']})"
