@@ -21,7 +21,26 @@ per device:
               (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
-  flops       analytic model FLOPs per device per step (maxmoe.flops).
+  flops       analytic model FLOPs per device per step (maxmoe.flops), and the dot and
+              convolution FLOPs of the compiled program per device per step
+              (maxmoe.hlo.dot_flops: loops x trip count, a conditional at its busiest branch).
+  bubble      with pipeline stages, the schedule's analytic bubble (P-1)/(M*V+P-1) and the
+              measured one, 1 - F_ideal / F_pipeline. F_pipeline: the compiled program's dot
+              FLOPs per device with every conditional at its busiest branch, i.e. as many as
+              the stages spend ticking in lockstep (a tick lasts as long as its busiest
+              stage; idle ticks compute on placeholders). F_ideal: the same per device of
+              the same config compiled without stages on the same devices (pipeline=1,
+              data x P, grad_accum M/P so each device's micro-batch keeps its rows and the
+              batch still divides; dot FLOPs are linear in tokens, so per step they equal
+              what M micro-batches would give). The dry run compiles that second program
+              itself for each shape with stages (twice the compile time, no memory figures
+              from it): a sweep seldom holds the matching shape, whose grad_accum differs.
+              Remat recompute, attention and the optimizer cancel; what remains is the
+              bubble plus stage imbalance as the lockstep ticks count it: padding slots
+              counted as full layers (their skip is a conditional), and the embedding and
+              dense layers (stage 0) and the head and MTP (stage P-1) counted in every
+              tick. An upper bound: a tick costs its busiest stage's work, less than the
+              sum over conditionals of each one's busiest branch.
   prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
               GPU and bound from these FLOPs, collectives (as the GPU moves them, by tier and
               by whether they run once per step) and memory, and the per-GPU retention if
@@ -52,9 +71,9 @@ import math
 import time
 
 from maxmoe import planner
-from maxmoe.config import Config
+from maxmoe.config import Config, ConfigError
 from maxmoe.flops import count_params, flops_per_token
-from maxmoe.hlo import collective_ops, summarize_ops
+from maxmoe.hlo import collective_ops, dot_flops, summarize_ops
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
@@ -180,17 +199,19 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
 # Compiling one step
 
 
-def dry_run_shape(
-    shaped: Config, sizes: dict[str, int], mesh, hbm_gb: float, a2a: str = "proxy", system: str | None = None
-) -> dict:
-    """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
+def bubble_baseline(config: Config) -> Config:
+    """`config` without pipeline stages on the same devices: pipeline=1, data x P, grad_accum M / P."""
+    stages = config.mesh.pipeline
+    mesh = dataclasses.replace(config.mesh, pipeline=1, data=config.mesh.data * stages)
+    return config.replace(
+        mesh=mesh, train=dataclasses.replace(config.train, grad_accum=config.train.grad_accum // stages)
+    )
 
-    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring);
-    `system` (a key of maxmoe.planner.SYSTEMS) adds the planner's prediction for it.
-    """
+
+def _compile_step(shaped: Config, devices: list, a2a: str):
+    """(compiled step, layout, the config's dispatch plan, whether it is ragged, lower s, compile s)."""
     start = time.perf_counter()
-    layout = build_layout(shaped, list(mesh.devices.flat), platform="cpu")
-    mesh = layout.mesh
+    layout = build_layout(shaped, devices, platform="cpu")
     plan = layout.dispatch_plan
     ragged = plan is not None and plan.strategy == "ragged_a2a" and plan.expert_ranks > 1
     if ragged and a2a == "proxy":
@@ -207,10 +228,49 @@ def dry_run_shape(
     # figures come from; skipping its expensive passes halves compile time on a small CPU.
     compiled = lowered.compile(compiler_options=FAST_CPU_COMPILE)
     compile_s = time.perf_counter() - start - lower_s
-    mem = compiled.memory_analysis()
+    return compiled, layout, plan, ragged, lower_s, compile_s
+
+
+def measured_bubble(shaped: Config, devices: list, a2a: str, pipeline_dots: float) -> dict:
+    """The measured bubble of a staged config against `bubble_baseline` (see the module docstring)."""
+    try:
+        baseline = bubble_baseline(shaped)
+        compiled, *_, compile_s = _compile_step(baseline, devices, a2a)
+    except ConfigError as e:  # the stage-less shape may not fit these devices: no measurement, say why
+        return {"bubble_measured": None, "dot_flops": pipeline_dots, "baseline_error": str(e)}
+    ideal = dot_flops(compiled.as_text())
+    return {
+        "bubble_measured": 1.0 - ideal / pipeline_dots if pipeline_dots else None,
+        "dot_flops": pipeline_dots,
+        "dot_flops_ideal": ideal,
+        "baseline": f"pipeline=1 data={baseline.mesh.data} train.grad_accum={baseline.train.grad_accum}",
+        "baseline_compile_s": compile_s,
+    }
+
+
+def dry_run_shape(
+    shaped: Config,
+    sizes: dict[str, int],
+    mesh,
+    hbm_gb: float,
+    a2a: str = "proxy",
+    system: str | None = None,
+    measure_bubble: bool = True,
+) -> dict:
+    """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
+
+    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring);
+    `system` (a key of maxmoe.planner.SYSTEMS) adds the planner's prediction for it;
+    `measure_bubble` (with stages) compiles the stage-less baseline for the measured bubble.
+    """
     devices = list(mesh.devices.flat)
+    compiled, layout, plan, ragged, lower_s, compile_s = _compile_step(shaped, devices, a2a)
+    mesh = layout.mesh
+    mem = compiled.memory_analysis()
+    text = compiled.as_text()
+    dots = dot_flops(text)
     domain = device_domains(devices, shaped.mesh.scale_up_domain)
-    rows, notes = as_on_gpu(collective_ops(compiled.as_text(), domain), shaped)
+    rows, notes = as_on_gpu(collective_ops(text, domain), shaped)
     wire = summarize_ops(rows)
     by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
     by_pass = {name: dict(kinds) for name, kinds in wire["by_pass"].items()}
@@ -260,9 +320,12 @@ def dry_run_shape(
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
     else:
         domain_note = f"{len(set(domain))} domain(s) (one per process)"
+    pipeline = pipeline_report(shaped)
+    if pipeline is not None and measure_bubble:
+        pipeline.update(measured_bubble(shaped, devices, a2a, dots))
     return {
         "devices": mesh.size,
-        "pipeline": pipeline_report(shaped),
+        "pipeline": pipeline,
         "dispatch": plan.strategy if plan else "local",
         "a2a_model": a2a if ragged else "-",
         "memory": {
@@ -291,6 +354,7 @@ def dry_run_shape(
         "backward_total": sum(by_pass["backward"].values()),
         "tokens_per_shard": tokens_per_shard(shaped, sizes),
         "flops_per_device": flops,
+        "dot_flops_per_device": dots,
         "domains": domain_note,
         "lower_s": lower_s,
         "compile_s": compile_s,

@@ -16,6 +16,9 @@ Two texts, two questions:
                                  2 (P-1)/P of it (ring), collective-permute its result; ops
                                  inside loops multiplied by the loop's known trip count;
                                  also split by pass (`pass_of`: forward, backward, other).
+  dot_flops(hlo)                  dot and convolution FLOPs one device runs per step of
+                                 compiled HLO: loops x trip count, each conditional at its
+                                 most expensive branch (pipeline stages tick in lockstep).
 
 This is the one place that parses collectives out of program text; `maxmoe.info --lower`,
 the sweep's dry run and the benchmarks all read programs through it.
@@ -147,8 +150,15 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
     return [list(range(num_devices))]
 
 
-def computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]]:
-    """Lines of each computation and how many times it runs per step (trip counts of while loops)."""
+def _call_graph(
+    hlo_text: str,
+) -> tuple[dict[str, list[str]], dict[str, list[tuple[str, float, int | None]]], str | None]:
+    """(lines of each computation, its calls, the entry computation's name).
+
+    A call is (callee, runs per run of the caller, conditional): the loop's known trip count
+    for a while body or condition, else 1; `conditional` is the index of the calling line for
+    the branches of a conditional op, None for every other call.
+    """
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -162,16 +172,26 @@ def computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, flo
                 continue
         if current is not None:
             comps[current].append(line)
-    calls: dict[str, list[tuple[str, float]]] = {name: [] for name in comps}
+    calls: dict[str, list[tuple[str, float, int | None]]] = {name: [] for name in comps}
     for name, lines in comps.items():
-        for line in lines:
+        for index, line in enumerate(lines):
             trip = _TRIP_RE.search(line)
             for role, callee in _CALL_RE.findall(line):
                 factor = float(trip.group(1)) if (role in ("body", "condition") and trip) else 1.0
-                calls[name].append((callee, factor))
+                branch = index if role in ("true_computation", "false_computation") else None
+                calls[name].append((callee, factor, branch))
             branches = _BRANCHES_RE.search(line)
             if branches:
-                calls[name] += [(b.strip().lstrip("%"), 1.0) for b in branches.group(1).split(",") if b.strip()]
+                calls[name] += [(b.strip().lstrip("%"), 1.0, index) for b in branches.group(1).split(",") if b.strip()]
+    return comps, calls, entry
+
+
+def computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Lines of each computation and how many times it runs per step (trip counts of while loops).
+
+    Every branch of a conditional counts as run once per run of its caller.
+    """
+    comps, calls, entry = _call_graph(hlo_text)
     times = {name: 0.0 for name in comps}
     if entry is None:
         return comps, {name: 1.0 for name in comps}
@@ -180,11 +200,69 @@ def computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, flo
         if name not in times or depth > 64:
             return
         times[name] += factor
-        for callee, f in calls.get(name, ()):
+        for callee, f, _ in calls.get(name, ()):
             visit(callee, factor * f, depth + 1)
 
     visit(entry, 1.0)
     return comps, times
+
+
+_DEF_RE_HLO = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]")
+_OPERAND = r"(?:\w+\[[\d,]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)"
+_MATMUL_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\w+\[([\d,]*)\]\S*\s+(dot|convolution)\(" + _OPERAND + r",\s*" + _OPERAND
+)
+_LHS_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIM_LABELS_RE = re.compile(r"dim_labels=\w+_(\w+)->")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def _matmul_flops(line: str, shapes: dict[str, list[int]]) -> float:
+    """2 x multiply-adds of one dot or convolution line (0 for any other line)."""
+    m = _MATMUL_RE.match(line)
+    if not m:
+        return 0.0
+    out, kind, lhs, rhs = _dims(m.group(1)), m.group(2), m.group(3), m.group(4)
+    if kind == "dot":
+        contracting = _LHS_CONTRACTING_RE.search(line)
+        lhs_dims = shapes[lhs]
+        per_output = math.prod(lhs_dims[int(i)] for i in _dims(contracting.group(1))) if contracting else 1
+    else:  # each output element: the kernel's elements for one output feature
+        kernel, labels = shapes[rhs], _DIM_LABELS_RE.search(line).group(1)
+        per_output = math.prod(kernel) // kernel[labels.index("o")]
+    return 2.0 * math.prod(out) * per_output
+
+
+def dot_flops(hlo_text: str) -> float:
+    """Dot and convolution FLOPs (2 x multiply-adds) one device runs per step of compiled HLO.
+
+    Loop bodies count their known trip count times; a conditional counts its most expensive
+    branch, whichever one runs: SPMD pipeline stages tick in lockstep, so a tick lasts as long
+    as its busiest stage. Operand shapes come from their definitions in the same computation.
+    """
+    comps, calls, entry = _call_graph(hlo_text)
+    cost: dict[str, float] = {}
+
+    def visit(name: str, depth: int = 0) -> float:
+        if name in cost or name not in comps or depth > 64:
+            return cost.get(name, 0.0)
+        lines = comps[name]
+        shapes = {m.group(1): _dims(m.group(2)) for m in map(_DEF_RE_HLO.match, lines) if m}
+        total = sum(_matmul_flops(line, shapes) for line in lines)
+        busiest: dict[int, float] = {}
+        for callee, factor, branch in calls[name]:
+            flops = visit(callee, depth + 1) * factor
+            if branch is None:
+                total += flops
+            else:
+                busiest[branch] = max(busiest.get(branch, 0.0), flops)
+        cost[name] = total + sum(busiest.values())
+        return cost[name]
+
+    return visit(entry) if entry is not None else 0.0
 
 
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')

@@ -16,7 +16,8 @@ the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) a
 described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
 collective kind, by pass (forward, backward: what remat recomputes shows there) and across
 scale-up domains, model FLOPs, with pipeline stages the schedule's bubble
-(P-1)/(M*V+P-1) and ring size, and with `--system` (default: the config's xla.profile)
+(P-1)/(M*V+P-1), the measured one (the compiled step's dot FLOPs per device against the
+same step compiled without stages: a second compile per staged shape) and ring size, and with `--system` (default: the config's xla.profile)
 maxmoe.planner's predicted step time and TFLOP/s per GPU. `--a2a proxy` (default) compiles
 the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
 `--a2a emulate` as the CPU emulation. The method in full: maxmoe/dry_run.py.
@@ -237,6 +238,16 @@ def format_table(results: list[dict], dry_run: bool) -> str:
                 f"{r['step_s']:8.4f} {r['compile_s']:9.1f}"
             )
     return "\n".join(lines)
+
+
+def measured_text(p: dict) -> str:
+    """The measured bubble of a pipeline report, with the dot FLOPs it comes from (maxmoe.dry_run)."""
+    if p.get("bubble_measured") is None:
+        return f"measured: - ({p['baseline_error']})" if p.get("baseline_error") else "measured: -"
+    return (
+        f"{p['bubble_measured']:.3f} (measured: {p['dot_flops'] / 1e12:.4g} dot TFLOP per device "
+        f"against {p['dot_flops_ideal'] / 1e12:.4g} at {p['baseline']})"
+    )
 
 
 def format_predictions(results: list[dict]) -> str:
@@ -465,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"pipeline {r['name']}: {p['stages']} stages x {p['virtual']} chunks, {p['micro_batches']} micro-batches, "
                 f"{p['slots_per_chunk']} layer slots per chunk: bubble {p['bubble']:.3f} (analytic), "
-                f"{p['ring_slots']} items in flight per stage"
+                f"{measured_text(p)}, {p['ring_slots']} items in flight per stage"
             )
     notes = sorted({n for r in report["results"] for n in r.get("notes", [])})
     for n in notes:

@@ -1,5 +1,9 @@
 """maxmoe.hlo: collective counts in StableHLO, replica groups and bytes on the wire in compiled HLO."""
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 from maxmoe import hlo
 
 STABLEHLO = """
@@ -65,6 +69,72 @@ def test_collective_bytes_counts_loops_and_domains():
         "backward": {"all-reduce": 160.0},
         "other": {"all-gather": 32.0},
     }
+
+
+# Hand-written compiled HLO: a loop of 4 trips around a conditional whose branches cost
+# 2 x 4 x 8 x 16 = 1,024 FLOPs (one dot) and 2 x 1,024 (the same dot twice, one of them in
+# a fusion); after the loop a convolution (1 x 6 x 6 x 3 outputs, each over a 3 x 3 x 2
+# kernel per output feature) and a dot with a batch dimension (2 x [3, 5] @ [5, 7]).
+MATMULS = """HloModule m
+
+%one (a.1: f32[4,8], b.1: f32[8,16]) -> f32[4,16] {
+  %a.1 = f32[4,8]{1,0} parameter(0)
+  %b.1 = f32[8,16]{1,0} parameter(1)
+  ROOT %d.1 = f32[4,16]{1,0} dot(%a.1, %b.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused (a.3: f32[4,8], b.3: f32[8,16]) -> f32[4,16] {
+  %a.3 = f32[4,8]{1,0} parameter(0)
+  %b.3 = f32[8,16]{1,0} parameter(1)
+  ROOT %d.3 = f32[4,16]{1,0} dot(%a.3, %b.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%two (a.2: f32[4,8], b.2: f32[8,16]) -> f32[4,16] {
+  %a.2 = f32[4,8]{1,0} parameter(0)
+  %b.2 = f32[8,16]{1,0} parameter(1)
+  %d.2 = f32[4,16]{1,0} dot(%a.2, %b.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %f.2 = f32[4,16]{1,0} fusion(%a.2, %b.2), kind=kOutput, calls=%fused
+}
+
+%body (p: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %p = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %c = f32[4,16]{1,0} conditional(%i, %p, %p), branch_computations={%one, %two}
+  ROOT %t = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i, %x, %y)
+}
+
+ENTRY %main (x: f32[4,8], y: f32[8,16], img: f32[1,8,8,2], k: f32[3,3,2,3], u: f32[2,3,5], v: f32[5,7]) -> f32[2,3,7] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %y = f32[8,16]{1,0} parameter(1)
+  %img = f32[1,8,8,2]{3,2,1,0} parameter(2)
+  %k = f32[3,3,2,3]{3,2,1,0} parameter(3)
+  %u = f32[2,3,5]{2,1,0} parameter(4)
+  %v = f32[5,7]{1,0} parameter(5)
+  %w = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %conv = f32[1,6,6,3]{3,2,1,0} convolution(%img, %k), window={size=3x3}, dim_labels=b01f_01io->b01f
+  ROOT %bd = f32[2,3,7]{2,1,0} dot(%u, %v), lhs_contracting_dims={2}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_dot_flops_multiplies_loops_and_takes_the_busiest_branch():
+    per_dot = 2 * 4 * 8 * 16
+    conv = 2 * (6 * 6 * 3) * (3 * 3 * 2)
+    batched = 2 * (2 * 3 * 7) * 5
+    assert hlo.dot_flops(MATMULS) == 4 * 2 * per_dot + conv + batched
+
+
+def test_dot_flops_of_a_compiled_scan_and_cond():
+    """XLA:CPU's own text: fusions around the dots, operands without inline types."""
+
+    def f(x, w, v, p):
+        x, _ = lax.scan(lambda c, _: (c @ w, None), x, None, length=3)
+        return lax.cond(p > 0, lambda c: (c @ v) @ v.T, lambda c: c @ w, x)
+
+    x, w, v = jnp.ones((4, 8)), jnp.ones((8, 8)), jnp.ones((8, 16))
+    text = jax.jit(f).lower(x, w, v, 1).compile().as_text()
+    cheap, dear = 2 * 4 * 8 * 8, 2 * (2 * 4 * 8 * 16)  # the branches: c @ w, (c @ v) @ v.T
+    assert hlo.dot_flops(text) == 3 * cheap + max(cheap, dear)
 
 
 # Hand-written StableHLO with known dependences: exchange A1 feeds dot D1, which reaches

@@ -26,6 +26,19 @@ def test_factorisations_cover_every_shape():
     assert all(s["pipeline"] * s["data"] * s["expert"] * s["tensor"] == 8 for s in staged)
 
 
+def test_bubble_baseline_keeps_devices_and_micro_batch_rows():
+    overrides = ["model.num_layers=5", "train.grad_accum=8", "train.batch_size=32"]
+    staged = sweep.with_mesh(
+        load_config(["configs/tiny.yaml"], overrides), {"pipeline": 2, "data": 2, "expert": 2, "tensor": 1}
+    )
+    base = dry_run.bubble_baseline(staged)
+    sizes = {a: getattr(base.mesh, a) for a in ("pipeline", "data", "expert", "tensor")}
+    assert sizes == {"pipeline": 1, "data": 4, "expert": 2, "tensor": 1}
+    assert base.train.batch_size == 32 and base.train.grad_accum == 4
+    staged_sizes = {a: getattr(staged.mesh, a) for a in sizes}
+    assert dry_run.tokens_per_shard(base, sizes) == dry_run.tokens_per_shard(staged, staged_sizes) == 128
+
+
 def test_parse_mesh():
     assert sweep.parse_mesh("data=2,expert=4") == {"pipeline": 1, "data": 2, "expert": 4, "tensor": 1}
     assert sweep.parse_mesh("pipeline=2,expert=4")["pipeline"] == 2
