@@ -217,3 +217,75 @@ def test_tiles_follow_rows_of_very_different_size():
             assert_within(y[i : i + 1], x64[i : i + 1] @ w64, bound, f"{recipe} row {i}")
     y = np.asarray(forward(x, w, "tensorwise"))
     np.testing.assert_array_equal(y[0], 0.0)
+
+
+# What each GEMM quantises, restated from the recipes (DeepSeek-V3, OCP MX): (lhs format, lhs
+# block, rhs format, rhs block, power-of-two scales); the lhs contracts its columns, the rhs its rows.
+SPEC = {
+    "tensorwise": {
+        "forward": (E4M3, (0, 0), E4M3, (0, 0), False),
+        "dgrad": (E5M2, (0, 0), E4M3, (0, 0), False),
+        "wgrad": (E4M3, (0, 0), E5M2, (0, 0), False),
+    },
+    "blockwise": {
+        "forward": (E4M3, (1, 128), E4M3, (128, 128), False),
+        "dgrad": (E4M3, (1, 128), E4M3, (128, 128), False),
+        "wgrad": (E4M3, (1, 128), E4M3, (128, 1), False),
+    },
+    "mxfp8": dict.fromkeys(("forward", "dgrad", "wgrad"), (E4M3, (1, 32), E4M3, (32, 1), True)),
+}
+
+
+def numpy_dequantized(x, dtype, block, power_of_two):
+    q, scales = numpy_quantize(x, dtype, block, power_of_two)
+    rows, cols = x.shape
+    br = rows if block[0] == 0 else block[0]
+    bc = cols if block[1] == 0 else block[1]
+    full = np.repeat(np.repeat(scales.astype(np.float64), br, axis=0), bc, axis=1)[:rows, :cols]
+    return q.astype(np.float64) * full
+
+
+def assert_fp8_gemm_in_bfloat16(got, a, b, recipe, gemm, what):
+    """got is bfloat16 and is the bfloat16 rounding of the float64 product of the fp8-rounded
+    operands, up to float32 accumulation: a GEMM on fp8 operands that returns the compute dtype."""
+    assert got.dtype == jnp.bfloat16, f"{what}: {got.dtype}, not the compute dtype bfloat16"
+    fa, block_a, fb, block_b, power_of_two = SPEC[recipe][gemm]
+    a64 = numpy_dequantized(np.asarray(a, np.float32), fa, block_a, power_of_two)
+    b64 = numpy_dequantized(np.asarray(b, np.float32), fb, block_b, power_of_two)
+    exact = a64 @ b64
+    accumulation = a.shape[1] * 2.0**-24 * (np.abs(a64) @ np.abs(b64))
+    # bfloat16 keeps 8 significant bits: half the spacing at 2**e is 2**(e - 8)
+    half_ulp = 2.0 ** (np.floor(np.log2(np.abs(exact) + accumulation + 1e-30)) - 8)
+    err = np.abs(np.asarray(got, np.float64) - exact)
+    worst = np.max(err / (half_ulp + accumulation))
+    assert worst <= 1.0, f"{what}: {worst:.3f} of bfloat16 rounding off the fp8 GEMM"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_matmul_in_bfloat16_returns_bfloat16_products_of_fp8_operands(recipe):
+    """In bf16 compute the FP8 GEMM hands back what a real FP8 GEMM with a bf16 output does:
+    bfloat16 values, for the output and both gradients (not float32 that would carry more bits
+    than the `none` program's bf16 matmuls)."""
+    x, w, ct = (jnp.asarray(v, jnp.bfloat16) for v in operands(136, 160, 48, seed=8))
+
+    def loss(x, w):
+        return jnp.sum((fp8_matmul(x, w, recipe) * ct).astype(jnp.float32))
+
+    y, (dx, dw) = jax.jit(lambda x, w: (fp8_matmul(x, w, recipe), jax.grad(loss, (0, 1))(x, w)))(x, w)
+    assert_fp8_gemm_in_bfloat16(y, x, w, recipe, "forward", "y")
+    assert_fp8_gemm_in_bfloat16(dx, ct, w.T, recipe, "dgrad", "dx")
+    assert_fp8_gemm_in_bfloat16(dw, x.T, ct, recipe, "wgrad", "dw")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_grouped_matmul_in_bfloat16_keeps_bfloat16(recipe):
+    x = jax.ShapeDtypeStruct((136, 160), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 160, 48), jnp.bfloat16)
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+
+    def forward_and_grads(x, w):
+        y, pullback = jax.vjp(lambda x, w: fp8_grouped_matmul(x, w, sizes, recipe), x, w)
+        return y, *pullback(jnp.ones_like(y))
+
+    y, dx, dw = jax.eval_shape(forward_and_grads, x, w)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16,) * 3
