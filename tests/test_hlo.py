@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from maxmoe import hlo
+from maxmoe import hlo, hlo_deps
 
 STABLEHLO = """
   %0 = "stablehlo.all_gather"(%arg0) <{all_gather_dim = 0 : i64}> : (tensor<4xi32>) -> tensor<16xi32>
@@ -171,7 +171,7 @@ DEPENDENCES = """module @m {
 
 
 def test_marker_dependencies_follow_calls_shard_map_bodies_and_loops():
-    found = hlo.marker_dependencies(DEPENDENCES)
+    found = hlo_deps.marker_dependencies(DEPENDENCES)
     defined_on = {i + 1: text.split(" = ")[0].strip() for i, text in enumerate(DEPENDENCES.splitlines())}
     name = {key: defined_on[m.line] for key, m in found.items()}
     deps = {name[key]: {name[d] for d in m.deps} for key, m in found.items()}
@@ -193,7 +193,7 @@ def test_marker_dependencies_follow_calls_shard_map_bodies_and_loops():
 
 
 def test_independent_chains_and_coupling():
-    chains, coupled = hlo.independent_chains(hlo.marker_dependencies(DEPENDENCES))
+    chains, coupled = hlo_deps.independent_chains(hlo_deps.marker_dependencies(DEPENDENCES))
     # %8 depends on dots of both chains ({%1} via %0 and {%5, %7} via %4): one coupled exchange.
     assert sorted(len(c) for c in chains) == [1, 2]
-    assert [hlo.marker_dependencies(DEPENDENCES)[m].line for m in coupled] == [19]
+    assert [hlo_deps.marker_dependencies(DEPENDENCES)[m].line for m in coupled] == [19]

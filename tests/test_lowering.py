@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import load_config
-from maxmoe.hlo import STABLEHLO_COLLECTIVES, count_collectives, independent_chains, marker_dependencies
+from maxmoe.hlo import STABLEHLO_COLLECTIVES, count_collectives
+from maxmoe.hlo_deps import independent_chains, marker_dependencies
 from maxmoe.lowering import lower_train_step
 from maxmoe.mesh import build_layout
 from maxmoe.model.moe import MoE
