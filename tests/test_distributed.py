@@ -197,17 +197,11 @@ def test_failure_is_a_one_line_user_error(monkeypatch, calls):
     assert "10.9.9.9:1" in message and "DEADLINE_EXCEEDED: Barrier timed out" in message and "5s" in message
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_unreachable_coordinator_is_a_user_error_not_an_abort(calls, monkeypatch):
+def test_unreachable_coordinator_is_a_user_error_not_an_abort(calls, monkeypatch, free_port):
     # In this jaxlib an unreachable coordinator aborts the process from C++ (exit 134), so
     # workers check the address first.
     monkeypatch.setattr(distributed, "wait_for_coordinator", REAL_WAIT)
-    port = _free_port()
+    port = free_port
     with pytest.raises(UserError, match=f"cannot reach the jax.distributed coordinator at 127.0.0.1:{port}"):
         distributed.initialize(
             _dist(
@@ -248,9 +242,9 @@ print("RESULT", jax.process_index(), jax.process_count(), float(total.addressabl
 """
 
 
-def test_two_cpu_processes_really_initialise_and_reduce():
+def test_two_cpu_processes_really_initialise_and_reduce(free_port):
     """The explicit path end to end: two processes, gloo collectives, a cross-process sum."""
-    port = _free_port()
+    port = free_port
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",) + LAUNCH_VARS}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])))
     procs = [
@@ -304,9 +298,9 @@ def _train_process(port: int, index: int, run_dir: Path, env: dict) -> subproces
     )
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_saves_it(tmp_path):
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_saves_it(tmp_path, free_port):
     """Preemption notice on one host only: JAX's sync point makes every process stop at one step."""
-    port = _free_port()
+    port = free_port
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",) + LAUNCH_VARS}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[1]))

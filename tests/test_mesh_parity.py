@@ -6,7 +6,6 @@ The single-device run is the oracle. Each layout runs in this process on a subse
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -94,14 +93,8 @@ def test_fsdp_shrinks_params_and_optimizer_state():
         assert sharded_memory.output_size_in_bytes <= replicated_memory.output_size_in_bytes / 4
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, free_port):
     """2 processes x 4 CPU devices (gloo over loopback) against 1 process x 8 devices."""
     import json
 
@@ -125,7 +118,7 @@ def test_two_processes_match_one(tmp_path):
         timeout=600,
     )
     assert single.returncode == 0, single.stderr[-3000:]
-    port = _free_port()
+    port = free_port
     procs = [
         subprocess.Popen(
             base
