@@ -118,6 +118,24 @@ def _sum_dtype(dtype):
     return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4 else dtype
 
 
+def over_replicas(per_replica: Callable, mesh) -> Callable:
+    """per_replica(weights, extra, batch) run once per replica: manual over `replica` only.
+
+    `weights` and `extra` enter whole on every replica, `batch` split over it (rows
+    replica-major); outputs gain a leading replica dimension. `check_vma=False`: nothing
+    differentiates through this shard_map (autodiff runs inside), and with vma checks on,
+    jax 0.10-0.12 fail to lower the nested dispatch shard_map under autodiff.
+    """
+    return jax.shard_map(
+        per_replica,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(REPLICA)),
+        out_specs=PartitionSpec(REPLICA),
+        axis_names={REPLICA},
+        check_vma=False,
+    )
+
+
 def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -> Callable:
     """accumulate(compute, extra, batch) -> (loss_R, aux_R, grads_R): each replica's sums over its micro-batches.
 
@@ -147,17 +165,7 @@ def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -
         (loss, aux, grads), _ = jax.lax.scan(body, (loss0, aux0, on_domain(grads0)), micro)
         return jax.tree.map(lambda x: x[None], (loss, aux, grads))
 
-    def accumulate(compute, extra, batch):
-        return jax.shard_map(
-            per_replica,
-            mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(REPLICA)),
-            out_specs=PartitionSpec(REPLICA),
-            axis_names={REPLICA},
-            check_vma=False,
-        )(compute, extra, batch)
-
-    return accumulate
+    return over_replicas(per_replica, mesh)
 
 
 def reduce_to_zero1(grads_R: Any, zero1: Any, scale: float) -> Any:
@@ -187,14 +195,6 @@ def replica_mean(fn: Callable, mesh) -> Callable:
         return fn(params, extra, batch)[None]
 
     def run(params, extra, batch):
-        values = jax.shard_map(
-            per_replica,
-            mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(REPLICA)),
-            out_specs=PartitionSpec(REPLICA),
-            axis_names={REPLICA},
-            check_vma=False,
-        )(params, extra, batch)
-        return values.mean()
+        return over_replicas(per_replica, mesh)(params, extra, batch).mean()
 
     return run
