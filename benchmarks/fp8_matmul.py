@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from grouped_matmul import timed
+from grouped_matmul import gemm_table, timed
 
 SHAPES = {
     "671b": {"dense": dict(m=16384, k=7168, n=2048), "grouped": dict(rows=65536, groups=4, d=7168, f=2048)},
@@ -104,23 +104,8 @@ def run_shape(name, shape, recipes, repeats, emit=lambda rows: None):
 
 
 def format_table(rows):
-    def cell(v, fmt):
-        return format(v, fmt) if v is not None else "-"
-
-    head = (
-        f"{'shape':<6} {'gemm':<8} {'recipe':<11} {'fwd ms':>9} {'TFLOP/s':>8} {'x bf16':>6} "
-        f"{'f+b ms':>9} {'TFLOP/s':>8} {'x bf16':>6}  status"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        f, b = r["fwd"], r["fwd_bwd"]
-        status = f["status"] if f["status"] == b["status"] else f"{f['status']} / {b['status']}"
-        lines.append(
-            f"{r['shape']:<6} {r['kind']:<8} {r['recipe']:<11} {cell(f['ms'], '9.3f'):>9} "
-            f"{cell(f['tflops'], '8.1f'):>8} {cell(f['vs_bf16'], '6.2f'):>6} {cell(b['ms'], '9.3f'):>9} "
-            f"{cell(b['tflops'], '8.1f'):>8} {cell(b['vs_bf16'], '6.2f'):>6}  {status}"
-        )
-    return "\n".join(lines)
+    labels = [("shape", "shape", 6), ("kind", "gemm", 8), ("recipe", "recipe", 11)]
+    return gemm_table(rows, labels, [("vs_bf16", "x bf16", 6)])
 
 
 def main(argv=None):

@@ -149,25 +149,41 @@ def run_shape(name, shape, valid, backends, dtype_name, repeats):
     return rows
 
 
-def format_table(rows):
-    def cell(v, fmt):
-        return format(v, fmt) if v is not None else "-"
+def gemm_table(rows, labels, ratios):
+    """A forward and a forward+backward column group per row: ms, TFLOP/s, then the ratios.
 
-    head = (
-        f"{'shape':<6} {'backend':<11} {'fwd ms':>9} {'TFLOP/s':>8} {'x dense':>7} {'exec/use':>8} "
-        f"{'f+b ms':>9} {'TFLOP/s':>8} {'x dense':>7} {'exec/use':>8}  status"
+    labels: (key, header, width) of the left-aligned columns naming a row; ratios: (key,
+    header, width) of each group's ratio columns, two decimals. Absent values print as "-".
+    """
+
+    def cell(value, spec, width):
+        return f"{format(value, spec) if value is not None else '-':>{width}}"
+
+    def group(title):
+        return [(title, 9), ("TFLOP/s", 8)] + [(header, width) for _, header, width in ratios]
+
+    head = " ".join(
+        [f"{header:<{width}}" for _, header, width in labels]
+        + [f"{header:>{width}}" for title in ("fwd ms", "f+b ms") for header, width in group(title)]
     )
+    head += "  status"
     lines = [head, "-" * len(head)]
     for r in rows:
-        f, b = r["fwd"], r["fwd_bwd"]
-        status = f["status"] if f["status"] == b["status"] else f"{f['status']} / {b['status']}"
-        lines.append(
-            f"{r['shape']:<6} {r['backend']:<11} {cell(f['ms'], '9.3f'):>9} {cell(f['tflops'], '8.1f'):>8} "
-            f"{cell(f['vs_dense'], '7.2f'):>7} {cell(f['flops_ratio'], '8.2f'):>8} {cell(b['ms'], '9.3f'):>9} "
-            f"{cell(b['tflops'], '8.1f'):>8} {cell(b['vs_dense'], '7.2f'):>7} {cell(b['flops_ratio'], '8.2f'):>8}  "
-            f"{status}"
-        )
+        cells = [f"{r[key]:<{width}}" for key, _, width in labels]
+        for part in (r["fwd"], r["fwd_bwd"]):
+            cells += [cell(part["ms"], "9.3f", 9), cell(part["tflops"], "8.1f", 8)]
+            cells += [cell(part.get(key), f"{width}.2f", width) for key, _, width in ratios]
+        f, b = r["fwd"]["status"], r["fwd_bwd"]["status"]
+        lines.append(" ".join(cells) + f"  {f if f == b else f'{f} / {b}'}")
     return "\n".join(lines)
+
+
+def format_table(rows):
+    return gemm_table(
+        rows,
+        [("shape", "shape", 6), ("backend", "backend", 11)],
+        [("vs_dense", "x dense", 7), ("flops_ratio", "exec/use", 8)],
+    )
 
 
 def main(argv=None):
