@@ -29,14 +29,22 @@ def layer(h, w):
     return y, jnp.mean(y**2)
 
 
-def stage(params, state, h):
-    def slot(h, inputs):
-        w, on = inputs
-        y, aux = layer(h, w)
-        return jnp.where(on, y, h), jnp.where(on, aux, 0.0)
+def make_stage(layer_fn):
+    """A stage of scanned slots of layer_fn; masked-off (padding) slots pass h through, aux 0."""
 
-    h, aux = jax.lax.scan(slot, h, (params["w"], state["mask"]))
-    return (h, aux.sum()), {"aux": aux}
+    def stage(params, state, h):
+        def slot(h, inputs):
+            w, on = inputs
+            y, aux = layer_fn(h, w)
+            return jnp.where(on, y, h), jnp.where(on, aux, 0.0)
+
+        h, aux = jax.lax.scan(slot, h, (params["w"], state["mask"]))
+        return (h, aux.sum()), {"aux": aux}
+
+    return stage
+
+
+stage = make_stage(layer)
 
 
 def post(outer, outer_state, h, inp):
@@ -163,19 +171,10 @@ def test_bfloat16_residuals_pass_through_the_ring_exactly():
     the chunk (so the same bf16 products per micro-batch; autodiff of the whole batch at
     once would round the bf16 weight gradients differently)."""
 
-    def bf16_stage(params, state, h):
-        def slot(h, inputs):
-            w, on = inputs
-            y, aux = bf16_layer(h, w)
-            return jnp.where(on, y, h), jnp.where(on, aux, 0.0)
-
-        h, aux = jax.lax.scan(slot, h, (params["w"], state["mask"]))
-        return (h, aux.sum()), {"aux": aux}
-
     slots = SlotLayout(4, 2, 1, 0)
     stack, outer, inputs = problem(slots.layers, 4)
     args = ({"w": slots.to_stages(stack)}, {"mask": jnp.asarray(slots.mask())}, outer, {}, inputs)
-    fns, schedule = PipelineFns(pre, bf16_stage, post, AUX), build_schedule(2, 1, 4)
+    fns, schedule = PipelineFns(pre, make_stage(bf16_layer), post, AUX), build_schedule(2, 1, 4)
     results = {}
     for residuals in ("vjp", "recompute"):
         fn = pipeline_value_and_grad(fns, schedule, pipeline_mesh(2), residuals=residuals)
