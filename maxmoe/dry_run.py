@@ -40,7 +40,10 @@ per device:
               counted as full layers (their skip is a conditional), and the embedding and
               dense layers (stage 0) and the head and MTP (stage P-1) counted in every
               tick. An upper bound: a tick costs its busiest stage's work, less than the
-              sum over conditionals of each one's busiest branch.
+              sum over conditionals of each one's busiest branch. The planner uses the
+              analytic count instead (stage_imbalance, compute_scale:
+              maxmoe.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
+              free, the end stages' extra work only on those stages.
   prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
               GPU and bound from these FLOPs, collectives (as the GPU moves them, by tier and
               by whether they run once per step) and memory, and the per-GPU retention if
@@ -72,7 +75,7 @@ import time
 
 from maxmoe import planner
 from maxmoe.config import Config, ConfigError
-from maxmoe.flops import count_params, flops_per_token
+from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part
 from maxmoe.hlo import collective_ops, dot_flops, summarize_ops
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
@@ -138,11 +141,14 @@ def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
 
 
 def pipeline_report(config: Config) -> dict | None:
-    """The pipeline schedule of a config: stages, chunks, slots, analytic bubble, items in flight."""
+    """The pipeline schedule of a config: stages, chunks, slots, analytic bubble, items in flight,
+    and the planner's stage_imbalance and compute_scale."""
     slots = slot_layout(config)
     if slots is None:
         return None
     schedule = build_schedule(slots.stages, slots.virtual, config.train.grad_accum)
+    parts = flops_per_token_by_part(config.model, config.train.seq_len)
+    layers_per_chunk = slots.mask().sum(-1).tolist()  # [V][P]
     return {
         "stages": slots.stages,
         "virtual": slots.virtual,
@@ -151,6 +157,7 @@ def pipeline_report(config: Config) -> dict | None:
         "padding_slots": slots.pad_front + slots.pad_back,
         "bubble": schedule.bubble,
         "ring_slots": schedule.in_flight(),
+        **planner.pipeline_compute_scale(parts, layers_per_chunk, schedule.bubble),
     }
 
 
@@ -304,6 +311,7 @@ def dry_run_shape(
     t = shaped.train
     tokens = t.batch_size * t.seq_len
     flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
+    pipeline = pipeline_report(shaped)
     prediction = None
     if system is not None:
         params = count_params(shaped.model)
@@ -315,12 +323,13 @@ def dry_run_shape(
             memory_bytes=total,
             optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], mesh.size),
         )
+        if pipeline is not None:
+            workload = dataclasses.replace(workload, compute_scale=pipeline["compute_scale"])
         prediction = planner.report(workload, planner.SYSTEMS[system])
     if shaped.mesh.scale_up_domain:
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
     else:
         domain_note = f"{len(set(domain))} domain(s) (one per process)"
-    pipeline = pipeline_report(shaped)
     if pipeline is not None and measure_bubble:
         pipeline.update(measured_bubble(shaped, devices, a2a, dots))
     return {

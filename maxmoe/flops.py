@@ -74,23 +74,30 @@ def _moe_active_matmul_params(m: ModelConfig) -> int:
     )
 
 
+def flops_per_token_by_part(m: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Training model FLOPs per token of the model's pieces, as a pipeline places them.
+
+    dense_layers: the first_k_dense dense layers together; moe_layer: one MoE layer; head_and_mtp:
+    the output head and the MTP depths. flops_per_token = dense_layers + (num_layers -
+    first_k_dense) x moe_layer + head_and_mtp.
+    """
+    d = m.hidden_size
+    attn = _attention_params(m)
+    core = 3 * seq_len * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    moe_layer = 6.0 * (attn + _moe_active_matmul_params(m)) + core
+    head = 6.0 * d * m.vocab_size
+    mtp_depth = 6.0 * 2 * d * d + moe_layer + head  # projection [2D, D], one MoE layer, the head again
+    return {
+        "dense_layers": m.first_k_dense * (6.0 * (attn + 3 * d * m.mlp_dim) + core),
+        "moe_layer": moe_layer,
+        "head_and_mtp": head + m.mtp_num_layers * mtp_depth,
+    }
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training model FLOPs per token (see the module docstring), MTP included."""
-    dense_mlp = 3 * m.hidden_size * m.mlp_dim
-    attn = _attention_params(m)
-    moe_layers = m.num_layers - m.first_k_dense
-    matmul_params = (
-        m.num_layers * attn
-        + m.first_k_dense * dense_mlp
-        + moe_layers * _moe_active_matmul_params(m)
-        + m.hidden_size * m.vocab_size
-    )
-    mtp_params = m.mtp_num_layers * (
-        2 * m.hidden_size * m.hidden_size + attn + _moe_active_matmul_params(m) + m.hidden_size * m.vocab_size
-    )
-    attention_layers = m.num_layers + m.mtp_num_layers
-    core = 3 * seq_len * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-    return 6.0 * (matmul_params + mtp_params) + attention_layers * core
+    part = flops_per_token_by_part(m, seq_len)
+    return part["dense_layers"] + (m.num_layers - m.first_k_dense) * part["moe_layer"] + part["head_and_mtp"]
 
 
 def mfu(tokens_per_s_per_device: float, flops_token: float, peak: float | None) -> float | None:
@@ -100,4 +107,4 @@ def mfu(tokens_per_s_per_device: float, flops_token: float, peak: float | None) 
     return tokens_per_s_per_device * flops_token / (peak * 1e12)
 
 
-__all__ = ["PEAK_TFLOPS_BF16", "peak_tflops", "count_params", "flops_per_token", "mfu"]
+__all__ = ["PEAK_TFLOPS_BF16", "peak_tflops", "count_params", "flops_per_token", "flops_per_token_by_part", "mfu"]

@@ -9,7 +9,9 @@ xla.profile). The model, per device and per step; every assumption is a field of
   compute     t_c = model FLOPs / (peak[precision] x compute_efficiency). compute_efficiency
               is the one constant to calibrate: the fraction of dense peak the model's own
               math reaches with no communication, measured on one GPU as proxy_1gpu's MFU
-              (benchmarks/gpu_suite.sh); until then 0.5.
+              (benchmarks/gpu_suite.sh); until then 0.5. With pipeline stages t_c grows by
+              compute_scale (pipeline_compute_scale: the schedule's bubble and the busiest
+              stage's extra work); the growth is the step part "pipeline bubble".
   collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link_efficiency[tier]).
               Bytes are what each device puts on the wire (maxmoe.hlo's ring factors), the
               bandwidth is per GPU per direction, hops = P - 1 for one ring pass (all-gather,
@@ -26,8 +28,8 @@ xla.profile). The model, per device and per step; every assumption is a field of
               does not fit under compute extends the step. t_optimizer = optimizer bytes
               through HBM.
   outputs     tokens/s, TFLOP/s per GPU (model FLOPs / t), MFU, and the bound: the largest
-              contribution to t (compute, expert all-to-all, scale-up traffic, cross-domain
-              traffic, memory), or "memory (does not fit)" when the compiled footprint
+              contribution to t (compute, pipeline bubble, expert all-to-all, scale-up
+              traffic, cross-domain traffic, memory), or "memory (does not fit)" when the compiled footprint
               exceeds HBM.
 Rough where it is rough: no contention between collectives sharing a fabric, no
 stragglers or jitter, one efficiency for every matmul shape, ring latency only, the
@@ -112,6 +114,7 @@ class Workload:
     collectives: tuple[Collective, ...] = ()
     memory_bytes: float = 0.0  # compiled footprint, for the fits check
     optimizer_bytes: float = 0.0  # HBM bytes the optimizer update reads and writes
+    compute_scale: float = 1.0  # pipeline stages: their compute time over the work's (pipeline_compute_scale)
 
 
 DEFAULT_OVERLAP = (
@@ -180,9 +183,12 @@ def predict(w: Workload, system: System, a: Assumptions = Assumptions()) -> Pred
     """Step time and throughput of `w` on `system` under `a` (the module docstring's model)."""
     peak = system.peak_tflops(a.precision) * 1e12
     t_compute = w.flops_per_device / (peak * a.compute_efficiency)
+    contributions = {"compute": t_compute}
+    if w.compute_scale != 1.0:
+        contributions["pipeline bubble"] = t_compute * (w.compute_scale - 1.0)
+    t_compute *= w.compute_scale  # the stages' timeline, idle ticks included: traffic hides under it
     hidden = {tier: 0.0 for tier in TIERS}
     hidden_by_label: dict[str, float] = {}
-    contributions = {"compute": t_compute}
     for c in w.collectives:
         t, share = collective_seconds(c, system, a), a.overlap_of(c)
         hidden[c.tier] += share * t
@@ -200,6 +206,31 @@ def predict(w: Workload, system: System, a: Assumptions = Assumptions()) -> Pred
     bound = max(contributions, key=contributions.get) if fits else "memory (does not fit)"
     tflops = w.flops_per_device / step / 1e12
     return Prediction(step, w.tokens_per_step / step, tflops, tflops * 1e12 / peak, bound, fits, contributions)
+
+
+def pipeline_compute_scale(parts: dict, layers_per_chunk, bubble: float) -> dict:
+    """How much longer pipeline stages take than their work alone: the bubble and the busiest chunk.
+
+    parts: flops.flops_per_token_by_part; layers_per_chunk [V][P]: the MoE layers chunk v of
+    stage p runs (empty slots are skipped, so they cost nothing); bubble: the schedule's
+    analytic idle fraction, (P - 1) / (M V + P - 1). Chunk (0, 0) also runs the dense layers,
+    forward and backward, and their forward once more in its backward tick; chunk (V-1, P-1)
+    the head and MTP. Every tick takes as long as the busiest chunk's forward and backward,
+    so the stages' time over the time of their work spread evenly is
+
+        compute_scale = (busiest chunk / mean chunk) / (1 - bubble),
+
+    1 / (1 - bubble) for chunks of equal work. The mean counts useful work only (not the
+    dense layers' second forward).
+    """
+    work = [[n * parts["moe_layer"] for n in row] for row in layers_per_chunk]
+    work[0][0] += parts["dense_layers"]
+    work[-1][-1] += parts["head_and_mtp"]
+    mean = sum(map(sum, work)) / sum(map(len, work))
+    busy = [row[:] for row in work]
+    busy[0][0] += parts["dense_layers"] / 3  # the re-run forward (a third of forward + backward)
+    busiest = max(map(max, busy))
+    return {"stage_imbalance": busiest / mean, "compute_scale": busiest / mean / (1.0 - bubble)}
 
 
 def scale_replicas(w: Workload, factor: int) -> Workload:

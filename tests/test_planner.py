@@ -5,12 +5,14 @@ A made-up system keeps the arithmetic readable: 1,000 TFLOP/s bf16, 100 GB of HB
 at efficiency 0.5 and links at full bandwidth with no latency, so 1e15 FLOP take 2 s.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from maxmoe.config import load_config
-from maxmoe.dry_run import as_on_gpu
+from maxmoe.dry_run import as_on_gpu, pipeline_report
+from maxmoe.flops import flops_per_token, flops_per_token_by_part
 from maxmoe.planner import (
     GB,
     SYSTEMS,
@@ -20,6 +22,7 @@ from maxmoe.planner import (
     Workload,
     collective_seconds,
     optimizer_bytes,
+    pipeline_compute_scale,
     predict,
     report,
     retention,
@@ -196,3 +199,68 @@ def test_system_table():
     assert SYSTEMS["gb300"].scale_out_gb_s == pytest.approx(800 / 8)  # ConnectX-8, 800 Gb/s
     assert SYSTEMS["h100"].scale_out_gb_s == pytest.approx(400 / 8)  # ConnectX-7, 400 Gb/s
     assert SYSTEMS["gb300"].scale_up_gb_s == pytest.approx(1800 / 2)  # NVLink 5: 1.8 TB/s both ways
+
+
+PARTS = {"dense_layers": 3.0, "moe_layer": 1.0, "head_and_mtp": 2.0}
+
+
+def test_pipeline_of_equal_chunks_costs_the_bubble_only():
+    # 2 stages x 1 chunk, 4 layers each, no dense layers, head or MTP: work 4 and 4.
+    out = pipeline_compute_scale({**PARTS, "dense_layers": 0.0, "head_and_mtp": 0.0}, [[4, 4]], bubble=0.2)
+    assert out["stage_imbalance"] == pytest.approx(1.0)
+    assert out["compute_scale"] == pytest.approx(1.25)  # 1 / (1 - 0.2)
+
+
+def test_pipeline_end_stages_set_the_tick():
+    # 4 stages x 1 chunk of 2 slots; 3 empty slots in front, 1 at the back: layers 0, 1, 2, 1 per chunk.
+    # Work: stage 0: 0 + 3 (dense) = 3, and their forward again: 4; stages 1-2: 1 and 2; stage 3: 1 + 2 = 3.
+    # Mean of the useful work: (3 + 1 + 2 + 3) / 4 = 2.25; busiest 4; bubble 0.25.
+    out = pipeline_compute_scale(PARTS, [[0, 1, 2, 1]], bubble=0.25)
+    assert out["stage_imbalance"] == pytest.approx(4 / 2.25)
+    assert out["compute_scale"] == pytest.approx(4 / 2.25 / 0.75)
+
+
+def test_pipeline_extra_work_sits_on_the_first_and_last_chunk():
+    # 2 stages x 2 chunks [V][P]: dense layers on (v0, p0), head and MTP on (v1, p1).
+    # Work: v0: 2 + 3 = 5 (busy 6), 2; v1: 2, 2 + 2 = 4. Mean 13 / 4; busiest 6.
+    out = pipeline_compute_scale(PARTS, [[2, 2], [2, 2]], bubble=0.1)
+    assert out["stage_imbalance"] == pytest.approx(6 / 3.25)
+    assert out["compute_scale"] == pytest.approx(6 / 3.25 / 0.9)
+
+
+def test_pipeline_bubble_is_a_step_part():
+    # 1e15 FLOP = 2 s of compute; scale 1.5 adds 1 s of pipeline bubble, which becomes the bound,
+    # and 2.5 s of hideable traffic hides under the 3 s timeline but not under the 2 s of work.
+    traffic = Collective("all-gather", "scale_up", 1250 * GB, 10, 8, "loop")
+    a = dataclasses.replace(IDEAL, overlap=((("scale_up", "all-gather", "loop"), 1.0),))
+    p = predict(workload(traffic, compute_scale=1.5), SYSTEM, a)
+    assert p.contributions["compute"] == pytest.approx(2.0)
+    assert p.contributions["pipeline bubble"] == pytest.approx(1.0)
+    assert p.contributions["scale-up traffic"] == pytest.approx(0.0)
+    assert p.step_s == pytest.approx(3.0)
+    assert p.tflops_per_gpu == pytest.approx(1e15 / 3.0 / 1e12)
+    p = predict(workload(compute_scale=3.0), SYSTEM, IDEAL)
+    assert p.bound == "pipeline bubble" and p.step_s == pytest.approx(6.0)
+
+
+def test_dry_run_reports_the_chunks_of_its_slot_layout():
+    # 4 MoE layers, 2 stages x 2 chunks, 1 empty slot in front: 2 slots per chunk, chunk v*P + p
+    # holds slots 2c, 2c+1 of [empty, L0, L1, L2, L3, empty, empty, empty]: [V][P] = [[1, 2], [1, 0]].
+    config = load_config(
+        [ROOT / "configs/tiny.yaml"],
+        [
+            "model.num_layers=5",
+            "mesh.pipeline=2",
+            "mesh.pipeline_virtual=2",
+            "mesh.pipeline_pad_front=1",
+            "train.grad_accum=4",
+            "run.cpu_devices=2",
+        ],
+    )
+    report = pipeline_report(config)
+    parts = flops_per_token_by_part(config.model, config.train.seq_len)
+    want = pipeline_compute_scale(parts, [[1, 2], [1, 0]], report["bubble"])
+    assert report["compute_scale"] == pytest.approx(want["compute_scale"])
+    assert report["stage_imbalance"] == pytest.approx(want["stage_imbalance"])
+    total = parts["dense_layers"] + 4 * parts["moe_layer"] + parts["head_and_mtp"]
+    assert total == pytest.approx(flops_per_token(config.model, config.train.seq_len))
