@@ -29,8 +29,8 @@ xla.profile). The model, per device and per step; every assumption is a field of
               through HBM.
   outputs     tokens/s, TFLOP/s per GPU (model FLOPs / t), MFU, and the bound: the largest
               contribution to t (compute, pipeline bubble, expert all-to-all, scale-up
-              traffic, cross-domain traffic, memory), or "memory (does not fit)" when the compiled footprint
-              exceeds HBM.
+              traffic, cross-domain traffic, memory), or "memory (does not fit)" when the
+              compiled footprint exceeds HBM.
 Rough where it is rough: no contention between collectives sharing a fabric, no
 stragglers or jitter, one efficiency for every matmul shape, ring latency only, the
 expert all-to-all assumed balanced (what the dry run's stand-in moves).
@@ -227,9 +227,8 @@ def pipeline_compute_scale(parts: dict, layers_per_chunk, bubble: float) -> dict
     work[0][0] += parts["dense_layers"]
     work[-1][-1] += parts["head_and_mtp"]
     mean = sum(map(sum, work)) / sum(map(len, work))
-    busy = [row[:] for row in work]
-    busy[0][0] += parts["dense_layers"] / 3  # the re-run forward (a third of forward + backward)
-    busiest = max(map(max, busy))
+    # Chunk (0, 0) is busier by the dense layers' re-run forward (a third of forward + backward).
+    busiest = max(max(map(max, work)), work[0][0] + parts["dense_layers"] / 3)
     return {"stage_imbalance": busiest / mean, "compute_scale": busiest / mean / (1.0 - bubble)}
 
 
