@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -400,7 +401,10 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, monkeypatch):
     assert next(data.make_dataset(cfg)).max() < 260
     tokens = np.fromfile(out / "train.bin", dtype="<u2")
     tokens[17] = 300  # meta.json still says vocab_size 260: the embedding lookup would give NaN
-    tokens.tofile(out / "train.bin")
+    # Replaced, not rewritten in place: the first dataset's read-ahead threads may still be
+    # reading its memory map, and truncating a mapped file under them is a SIGBUS.
+    tokens.tofile(out / "train.bin.new")
+    os.replace(out / "train.bin.new", out / "train.bin")
     with pytest.raises(UserError) as error:
         data.make_dataset(cfg)
     assert str(error.value) == (

@@ -180,7 +180,7 @@ _SCAN_BLOCK = 1 << 24  # tokens per block of the scan: bounded memory whatever t
 
 def _largest_id(path: Path, tokens: np.ndarray) -> int:
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key not in _MAX_ID_SEEN:
         _MAX_ID_SEEN[key] = max(
             (int(tokens[i : i + _SCAN_BLOCK].max()) for i in range(0, len(tokens), _SCAN_BLOCK)), default=-1
