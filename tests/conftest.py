@@ -15,6 +15,9 @@ _CHEAP_COMPILE = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_e
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT)]
 _flags += [f"{name}={value}" for name, value in _CHEAP_COMPILE.items() if not any(f.startswith(name) for f in _flags)]
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"{_DEVICE_COUNT}=8"])
+# For maxmoe jobs the tests start as subprocesses: the same flags, but the job's run.cpu_devices
+# decides its device count.
+JOB_XLA_FLAGS = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import JOB_XLA_FLAGS
 
 from maxmoe import data
 from maxmoe.config import load_config
@@ -73,7 +74,7 @@ def env(tmp_path_factory):
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
-    environment.pop("XLA_FLAGS", None)  # run.cpu_devices decides the device count of a job
+    environment["XLA_FLAGS"] = JOB_XLA_FLAGS
     return environment
 
 

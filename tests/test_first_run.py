@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from conftest import JOB_XLA_FLAGS
 
 from maxmoe import data
 from maxmoe.config import load_config
@@ -32,7 +33,7 @@ SMALL = ["model.compute_dtype=float32", "train.batch_size=8", "train.seq_len=32"
 
 def train_without_grain(*overrides):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = JOB_XLA_FLAGS
     return subprocess.run(
         [sys.executable, "-c", WITHOUT_GRAIN, "--config", TINY, *SMALL, *overrides],
         capture_output=True,

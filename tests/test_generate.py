@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import JOB_XLA_FLAGS
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from maxmoe import generate as gen
@@ -122,7 +123,7 @@ def word_tokenizer(path: Path, vocab_size: int) -> None:
 
 def run_generate(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = JOB_XLA_FLAGS
     return subprocess.run(
         [sys.executable, "-m", "maxmoe.generate", *args], capture_output=True, env=env, cwd=ROOT, timeout=600
     )

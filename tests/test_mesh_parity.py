@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import JOB_XLA_FLAGS
 
 from maxmoe.config import load_config
 from maxmoe.mesh import build_layout
@@ -108,7 +109,7 @@ def test_two_processes_match_one(tmp_path, free_port):
         "checkpoint.async_save=false",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = JOB_XLA_FLAGS
     base = [sys.executable, "-m", "maxmoe.train", "--config", TINY, *common]
     single = subprocess.run(
         base + [f"run.dir={tmp_path / 'one'}", "run.cpu_devices=8"],

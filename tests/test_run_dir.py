@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import JOB_XLA_FLAGS
 
 from maxmoe.config import UserError
 from maxmoe.training.metrics import truncate_after
@@ -96,7 +97,7 @@ def train_command(*overrides):
 
 def train_env():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = JOB_XLA_FLAGS
     return env
 
 

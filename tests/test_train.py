@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import JOB_XLA_FLAGS
 
 from maxmoe.config import load_config
 from maxmoe.training.optim import learning_rate_schedule, make_optimizer
@@ -21,7 +22,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def run_train(*overrides, timeout=600):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = JOB_XLA_FLAGS
     return subprocess.run(
         [sys.executable, "-m", "maxmoe.train", "--config", TINY, *overrides],
         capture_output=True,
