@@ -84,9 +84,9 @@ from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN
 from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
 from maxmoe.training.stage_state import slot_layout
+from maxmoe.xla_flags import FAST_CPU_COMPILE
 
 GB = 1e9
-FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 # What a report records as its method: the module docstring past its first line.
 METHOD = __doc__.split("\n\n", 1)[1].strip()
 

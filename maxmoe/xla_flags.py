@@ -48,6 +48,9 @@ from maxmoe.config import XLA_PROFILES, Config, ConfigError, UserError
 
 PROFILES = ("auto", "none") + XLA_PROFILES
 
+# XLA:CPU's cheap LLVM settings, for programs compiled to be measured or compared rather than
+# run for speed (the dry run, the tests): compiler options, or flags via `as_flags`.
+FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -344,6 +347,11 @@ def flag_name(flag: str) -> str:
     if name.startswith("noxla_"):
         name = name[2:]
     return name
+
+
+def as_flags(options: dict) -> list[str]:
+    """Compiler options as XLA_FLAGS entries: {'xla_a': True, 'xla_b': 0} -> ['--xla_a=true', '--xla_b=0']."""
+    return [f"--{name}={str(value).lower()}" for name, value in options.items()]
 
 
 def _check_flags(flags: list[str]) -> None:

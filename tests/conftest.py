@@ -1,24 +1,30 @@
 """Every test runs on CPU with 8 fake devices; the flags must be set before jax starts.
 
 The tests compare numbers, not speed, so XLA:CPU compiles with its cheap LLVM settings (the
-dry run's): the suite spends most of its time compiling small programs, and this takes about
-a fifth off it. A setting already in XLA_FLAGS is kept.
+dry run's FAST_CPU_COMPILE): the suite spends most of its time compiling small programs, and
+this takes about a third off it. A setting already in XLA_FLAGS is kept.
 """
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
-_DEVICE_COUNT = "--xla_force_host_platform_device_count"
-_CHEAP_COMPILE = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true"}
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT)]
-_flags += [f"{name}={value}" for name, value in _CHEAP_COMPILE.items() if not any(f.startswith(name) for f in _flags)]
-os.environ["XLA_FLAGS"] = " ".join([*_flags, f"{_DEVICE_COUNT}=8"])
-# For maxmoe jobs the tests start as subprocesses: the same flags, but the job's run.cpu_devices
-# decides its device count.
-JOB_XLA_FLAGS = " ".join(_flags)
+from maxmoe.xla_flags import FAST_CPU_COMPILE, as_flags, flag_name  # imports no jax
+
+ROOT = Path(__file__).resolve().parents[1]
+_DEVICE_COUNT = "xla_force_host_platform_device_count"
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if flag_name(f) != _DEVICE_COUNT]
+_flags += [f for f in as_flags(FAST_CPU_COMPILE) if flag_name(f) not in {flag_name(g) for g in _flags}]
+os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--{_DEVICE_COUNT}=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def job_env(**extra: str) -> dict:
+    """The environment of a maxmoe job a test starts as a subprocess: this checkout on the path,
+    the suite's XLA flags without the device count (the job's run.cpu_devices decides it)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": " ".join(_flags), **extra}
 
 
 @pytest.fixture

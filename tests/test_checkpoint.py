@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import JOB_XLA_FLAGS
+from conftest import job_env
 
 from maxmoe import data
 from maxmoe.config import load_config
@@ -66,16 +66,12 @@ TIMEOUT = 900
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The environment of every job: this checkout on the path, one shared compilation cache."""
-    environment = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "JAX_PLATFORMS": "cpu",
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-    environment["XLA_FLAGS"] = JOB_XLA_FLAGS
-    return environment
+    return job_env(
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 
 def command(run_dir, overrides):

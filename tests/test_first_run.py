@@ -2,14 +2,13 @@
 per-layer balance metrics, and a tiny run whose experts stay in use."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
-from conftest import JOB_XLA_FLAGS
+from conftest import job_env
 
 from maxmoe import data
 from maxmoe.config import load_config
@@ -32,8 +31,7 @@ SMALL = ["model.compute_dtype=float32", "train.batch_size=8", "train.seq_len=32"
 
 
 def train_without_grain(*overrides):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = JOB_XLA_FLAGS
+    env = job_env()
     return subprocess.run(
         [sys.executable, "-c", WITHOUT_GRAIN, "--config", TINY, *SMALL, *overrides],
         capture_output=True,

@@ -6,7 +6,6 @@ over the whole sequence (`maxmoe.model.logits`).
 """
 
 import functools
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import JOB_XLA_FLAGS
+from conftest import job_env
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from maxmoe import generate as gen
@@ -122,8 +121,7 @@ def word_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def run_generate(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = JOB_XLA_FLAGS
+    env = job_env()
     return subprocess.run(
         [sys.executable, "-m", "maxmoe.generate", *args], capture_output=True, env=env, cwd=ROOT, timeout=600
     )

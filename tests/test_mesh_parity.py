@@ -5,7 +5,6 @@ The single-device run is the oracle. Each layout runs in this process on a subse
 """
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import JOB_XLA_FLAGS
+from conftest import job_env
 
 from maxmoe.config import load_config
 from maxmoe.mesh import build_layout
@@ -108,8 +107,7 @@ def test_two_processes_match_one(tmp_path, free_port):
         "mesh.expert=4",
         "checkpoint.async_save=false",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = JOB_XLA_FLAGS
+    env = job_env()
     base = [sys.executable, "-m", "maxmoe.train", "--config", TINY, *common]
     single = subprocess.run(
         base + [f"run.dir={tmp_path / 'one'}", "run.cpu_devices=8"],

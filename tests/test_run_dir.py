@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import JOB_XLA_FLAGS
+from conftest import job_env
 
 from maxmoe.config import UserError
 from maxmoe.training.metrics import truncate_after
@@ -96,8 +96,7 @@ def train_command(*overrides):
 
 
 def train_env():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = JOB_XLA_FLAGS
+    env = job_env()
     return env
 
 

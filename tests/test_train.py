@@ -1,7 +1,6 @@
 """The training step and the `python -m maxmoe.train` job on CPU."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import JOB_XLA_FLAGS
+from conftest import job_env
 
 from maxmoe.config import load_config
 from maxmoe.training.optim import learning_rate_schedule, make_optimizer
@@ -21,8 +20,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def run_train(*overrides, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = JOB_XLA_FLAGS
+    env = job_env()
     return subprocess.run(
         [sys.executable, "-m", "maxmoe.train", "--config", TINY, *overrides],
         capture_output=True,
