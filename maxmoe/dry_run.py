@@ -14,8 +14,8 @@ per device:
               of more than one scale-up domain; `cross_domain_max_runs` is how many times
               per step the most frequent of those runs (1 under mesh.across_domains=zero1).
               Where XLA:CPU's program differs from the GPU's, the bytes are the GPU's:
-              bf16 collectives (the dispatch's all-to-alls, the two-tier bf16 weight
-              gathers) at bf16 width, and the two-tier gradient reduction across domains,
+              bf16 collectives (the dispatch's all-to-alls, the ZeRO-1 bf16 weight
+              gathers) at bf16 width, and the ZeRO-1 gradient reduction across domains,
               which XLA:CPU leaves as all-reduce + slice, as the reduce-scatter the GPU
               pipeline makes of it (`as_on_gpu`). The same bytes split by pass
               (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
@@ -165,10 +165,11 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
     """Rows of `collective_ops` with the bytes the GPU program moves where XLA:CPU differs; notes saying so.
 
     XLA:CPU runs bf16 collectives in f32 (float normalisation): the dispatch's all-to-alls
-    and the two-tier step's gathers of its bf16 weight copy (scope `compute_copy`) are
-    counted at bf16 width. It also leaves the two-tier gradient reduction across domains
-    (scope `reduce_to_zero1`) as an all-reduce followed by a slice, which the GPU pipeline
-    turns into a reduce-scatter: counted as one (half the bytes).
+    and the gathers of the ZeRO-1 weights' bf16 copy (scope `compute_copy`: the two-tier
+    step's, the pipeline's outer weights) are counted at bf16 width. It also leaves the
+    ZeRO-1 gradient reduction across domains (scope `reduce_to_zero1`) as an all-reduce
+    followed by a slice, which the GPU pipeline turns into a reduce-scatter: counted as one
+    (half the bytes).
     """
     notes, corrected = [], []
     halve_bf16 = config.model.compute_dtype == "bfloat16"
@@ -193,10 +194,13 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
             "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
         )
     if "compute_copy" in seen:
-        notes.append("two-tier weight gathers (scope compute_copy): counted at bf16 width, as the GPU moves them")
+        notes.append(
+            "ZeRO-1 weight gathers (two-tier step or pipeline outer weights, scope compute_copy): counted at bf16 "
+            "width, as the GPU moves them"
+        )
     if "reduce_to_zero1" in seen:
         notes.append(
-            "two-tier gradient reduction across domains (scope reduce_to_zero1): XLA:CPU leaves all-reduce + "
+            "ZeRO-1 gradient reduction across domains (scope reduce_to_zero1): XLA:CPU leaves all-reduce + "
             "slice, the GPU pipeline a reduce-scatter; counted as the reduce-scatter"
         )
     return corrected, notes

@@ -149,21 +149,26 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
     return Mesh(grid, axes)
 
 
-def zero1_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: dict[str, int]) -> PartitionSpec:
-    """Where master weights and optimizer state live under zero1: the in-domain `spec` sharded further.
+def zero1_spec(
+    spec: PartitionSpec, shape: Sequence[int], mesh_shape: dict[str, int], over: Sequence[str] | None = None
+) -> PartitionSpec:
+    """Where master weights and optimizer state live under ZeRO-1: the compute `spec` sharded further.
 
-    Added in order, each to the first dimension whose size it still divides: the in-domain
-    axes `spec` leaves unused (e.g. `expert` for dense weights), then `replica`, always as the
-    minor factor of its dimension. So every device's ZeRO-1 block lies inside its in-domain
-    block: ZeRO-1 -> in-domain is an all-gather over `replica` then in-domain ones, and
-    the gradient reduction is a reduce-scatter over `replica` alone (a major `replica`
-    would need an all-to-all). An axis no dimension fits leaves the leaf replicated over it.
+    `over`: the axes to add, in order; default (mesh.across_domains=zero1): the in-domain axes
+    `spec` leaves unused (e.g. `expert` for dense weights), then `replica`. Each goes to the
+    first dimension whose size it still divides, as the minor factor of that dimension. So
+    every device's ZeRO-1 block lies inside its compute block: ZeRO-1 -> compute is an
+    all-gather over the added axis (then in-domain ones), and the gradient reduction a
+    reduce-scatter over it alone (a major factor would need an all-to-all). With pipeline
+    stages the parameters outside the layer stack, which every stage computes with, add
+    `pipeline` (maxmoe.training.programs). An axis no dimension fits leaves the leaf
+    replicated over it.
     """
     entries = [axes_of(e) for e in tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))]
-    used = {a for e in entries for a in e}
-    extra = [a for a in MESH_AXES if a != REPLICA_AXIS and a not in used and mesh_shape.get(a, 1) > 1]
-    extra += [REPLICA_AXIS] if mesh_shape.get(REPLICA_AXIS, 1) > 1 else []
-    for axis in extra:
+    if over is None:
+        used = {a for e in entries for a in e}
+        over = [a for a in MESH_AXES if a != REPLICA_AXIS and a not in used] + [REPLICA_AXIS]
+    for axis in (a for a in over if mesh_shape.get(a, 1) > 1):
         for dim, axes in enumerate(entries):
             if shape[dim] % (math.prod(mesh_shape[a] for a in axes) * mesh_shape[axis]) == 0:
                 entries[dim] = (*axes, axis)
@@ -337,13 +342,14 @@ class Layout:
             rows = (REPLICA_AXIS, *rows)
         return NamedSharding(self.mesh, PartitionSpec(rows or None, None))
 
-    def zero1_shardings(self, boxed_tree) -> Any:
-        """ZeRO-1 NamedShardings (`zero1_spec`) for a tree of flax-boxed variables."""
+    def zero1_shardings(self, boxed_tree, over: Sequence[str] | None = None) -> Any:
+        """ZeRO-1 NamedShardings (`zero1_spec`, adding the axes `over`) for a tree of flax-boxed variables."""
         logical = nn.get_partition_spec(boxed_tree)
         shapes = nn.unbox(boxed_tree)
         return jax.tree.map(
             lambda spec, leaf: NamedSharding(
-                self.mesh, zero1_spec(self.spec(tuple(spec) if spec is not None else ()), leaf.shape, self.shape)
+                self.mesh,
+                zero1_spec(self.spec(tuple(spec) if spec is not None else ()), leaf.shape, self.shape, over),
             ),
             logical,
             shapes,

@@ -7,10 +7,12 @@ layers in 8 slots, so padding must be an exact no-op. (pipeline=4 x expert=2 wit
 all-gather dispatch is the other acceptance layout; docs/SHARDING.md has its command.)
 Checkpoints are written in model order: the pipeline's step-2 checkpoint resumes on one
 device, the one device's on the pipeline, and each then takes step 3 as the other run did.
-The CUDA lowering keeps the expert all-to-alls inside a stage.
+The weights outside the layer stack keep master weights and Adam moments split over the
+stages. The CUDA lowering keeps the expert all-to-alls inside a stage.
 """
 
 import json
+import math
 import re
 
 import jax
@@ -22,6 +24,7 @@ from maxmoe.hlo import collective_spans
 from maxmoe.lowering import lower_train_step
 from maxmoe.mesh import build_layout
 from maxmoe.training import checkpoint, stage_state
+from maxmoe.training import step as step_lib
 from maxmoe.training.programs import build_programs
 
 TINY = "configs/tiny.yaml"
@@ -116,6 +119,26 @@ def test_init_lays_out_the_stack(runs):
     for got, expected in zip(jax.tree.leaves(built), jax.tree.leaves(want), strict=True):
         assert (got.shape, got.dtype, got.sharding) == (expected.shape, expected.dtype, expected.sharding)
     assert want.params["moe_layers"]["moe"]["w_gate"].shape[:3] == (2, 2, 2)  # [V, P, S, ...]
+
+
+def test_outer_weights_and_moments_are_split_over_the_stages(runs):
+    """Every stage computes with the parameters outside the layer stack (embedding, dense layer,
+    head, MTP), but their float32 master weights and Adam moments are not kept whole on each:
+    every leaf holds 1/stages of what the stage's own sharding (the rules) gives a device."""
+    run = runs["pipeline"]
+    boxed = step_lib.abstract_state(run.config, run.programs.optimizer, boxed=True)
+    in_stage = run.layout.tree_shardings(boxed)
+    outer = 0
+    for tree in ("params", "opt_state"):
+        got = jax.tree_util.tree_flatten_with_path(getattr(run.state, tree))[0]
+        rules = jax.tree.leaves(getattr(in_stage, tree))
+        for (path, leaf), sharding in zip(got, rules, strict=True):
+            if any(getattr(k, "key", None) == "moe_layers" for k in path) or leaf.ndim == 0:
+                continue
+            outer += 1
+            held = math.prod(leaf.addressable_shards[0].data.shape)
+            assert held * run.config.mesh.pipeline == math.prod(sharding.shard_shape(leaf.shape)), path
+    assert outer > 30  # embedding, dense layer, head, MTP: master weights and both moments
 
 
 def assert_metrics_match(got, want, first_step=1):

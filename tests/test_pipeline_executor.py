@@ -97,8 +97,10 @@ def run_pipeline(slots, micro, residuals="vjp"):
     stage_state = {"mask": jnp.asarray(slots.mask())}
     schedule = build_schedule(slots.stages, slots.virtual, micro)
     fn = pipeline_value_and_grad(FNS, schedule, pipeline_mesh(slots.stages), residuals=residuals)
-    loss, (g_stage, g_outer), (stats, _) = jax.jit(fn)(stage_params, stage_state, outer, {}, inputs)
-    return (stack, outer, inputs), loss, g_stage, g_outer, stats
+    loss, (g_stage, g_outer_P), (stats, _) = jax.jit(fn)(stage_params, stage_state, outer, {}, inputs)
+    # The outer gradients come per stage (pre's on the first, post's on the last), for the caller to sum.
+    assert all(g.shape[0] == slots.stages for g in jax.tree.leaves(g_outer_P))
+    return (stack, outer, inputs), loss, g_stage, jax.tree.map(lambda g: g.sum(0), g_outer_P), stats
 
 
 def test_gradients_match_autodiff():

@@ -1,7 +1,7 @@
 """The pipeline executor: shard_map over `pipeline`, explicit forward and backward ticks.
 
     grad_fn = pipeline_value_and_grad(fns, schedule, mesh)
-    loss, (stage_grads, outer_grads), (stage_stats, post_stats) = grad_fn(
+    loss, (stage_grads, outer_grads_P), (stage_stats, post_stats) = grad_fn(
         stage_params, stage_state, outer_params, outer_state, inputs)
 
 The model arrives as three pure functions (`PipelineFns`):
@@ -177,8 +177,10 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
     v of stage p holds slots (v*P + p)*S ... + S-1). outer_params / outer_state and inputs (a
     tree of [M, ...] per-micro-batch arrays) are replicated over `pipeline`. Only the params
     are differentiated.
-    Returns the float32 loss; grads = (stage grads [V, P, S, ...], outer grads), float32;
-    stats = (chunk stats summed over micro-batches [V, P, ...], post stats summed over
+    Returns the float32 loss; grads = (stage grads [V, P, S, ...], outer grads per stage
+    [P, ...]), float32: each stage's share of the outer gradients (pre's on stage 0, post's on
+    stage P-1, zeros elsewhere), left for the caller to sum, so that the sum can be a
+    reduce-scatter onto optimizer state sharded over the stages; stats = (chunk stats summed over micro-batches [V, P, ...], post stats summed over
     micro-batches). `run.info` holds the ring's size once traced (slots, bytes per item).
     """
     residual_cls = RESIDUALS[residuals]
@@ -286,13 +288,14 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
         for fn, start, end in phases:
             if end > start:
                 carry, _ = jax.lax.scan(fn, carry, jnp.arange(start, end, dtype=jnp.int32))
-        loss, g_outer, post_stats = jax.lax.psum((carry["loss"], carry["g_outer"], carry["post_stats"]), AXIS)
+        loss, post_stats = jax.lax.psum((carry["loss"], carry["post_stats"]), AXIS)
+        g_outer = jax.tree.map(lambda a: a[None], carry["g_outer"])
         g_stage = jax.tree.map(lambda a: a[:, None], carry["g_stage"])
         stats = jax.tree.map(lambda a: a[:, None], carry["stats"])
         return loss, (g_stage, g_outer), (stats, post_stats)
 
     stacked, replicated = PartitionSpec(None, AXIS), PartitionSpec()
-    mapped = _over_stages(body, mesh, (replicated, (stacked, replicated), (stacked, replicated)))
+    mapped = _over_stages(body, mesh, (replicated, (stacked, PartitionSpec(AXIS)), (stacked, replicated)))
 
     def run(stage_params, stage_state, outer_params, outer_state, inputs):
         return mapped(stage_params, stage_state, outer_params, outer_state, inputs)

@@ -92,22 +92,23 @@ def micro_batches(batch: Any, accum: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def compute_copy(master: Any, zero1: Any, in_domain: Any, keep_f32: Any, dtype) -> Any:
+def compute_copy(master: Any, zero1: Any, in_domain: Any, keep_f32: Any, dtype, axis: str = REPLICA) -> Any:
     """The weights for one step: `dtype` on the in-domain shardings, the same on every replica.
 
     Per leaf: cast on the ZeRO-1 sharding (constrained there, or the partitioner moves the
-    cast after the gather and gathers float32), drop `replica` (the cross-domain
-    all-gather), then the in-domain sharding (in-domain all-gathers of the axes the
-    optimizer adds). Leaves whose `keep_f32` is True stay float32 (the model uses them so).
-    Named scopes mark these gathers in the compiled program's metadata: `compute_copy`
-    (cast) and `float32_copy` (kept), so byte counts can tell their widths apart.
+    cast after the gather and gathers float32), drop `axis` (the all-gather across domains,
+    or across pipeline stages with axis="pipeline"), then the in-domain sharding (in-domain
+    all-gathers of the axes the optimizer adds). Leaves whose `keep_f32` is True stay
+    float32 (the model uses them so). Named scopes mark these gathers in the compiled
+    program's metadata: `compute_copy` (cast) and `float32_copy` (kept), so byte counts can
+    tell their widths apart.
     """
 
     def one(p, z, d, keep):
         with jax.named_scope("float32_copy" if keep else "compute_copy"):
             if not keep:
                 p = jax.lax.with_sharding_constraint(p.astype(dtype), z)
-            p = jax.lax.with_sharding_constraint(p, NamedSharding(z.mesh, without_axis(z.spec, REPLICA)))
+            p = jax.lax.with_sharding_constraint(p, NamedSharding(z.mesh, without_axis(z.spec, axis)))
             return jax.lax.with_sharding_constraint(p, d)
 
     return jax.tree.map(one, master, zero1, in_domain, keep_f32)
@@ -168,15 +169,16 @@ def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -
     return over_replicas(per_replica, mesh)
 
 
-def reduce_to_zero1(grads_R: Any, zero1: Any, scale: float) -> Any:
-    """scale x the sum over replicas, on the ZeRO-1 shardings: one reduce-scatter over `replica` per leaf.
+def reduce_to_zero1(grads_R: Any, zero1: Any, scale: float, axis: str = REPLICA) -> Any:
+    """scale x the sum over the leading dimension, on the ZeRO-1 shardings: one reduce-scatter over `axis` per leaf.
 
-    Each replica's sum is first sliced to ZeRO-1-without-replica, which its in-domain
-    layout already holds (no traffic), so the only collective left is over `replica`.
+    grads_R: per-replica (or, with axis="pipeline", per-stage) sums [R, ...], dim 0 over
+    `axis`. Each entry is first sliced to ZeRO-1-without-`axis`, which its in-domain layout
+    already holds (no traffic), so the only collective left is over `axis`.
     """
 
     def one(g, z):
-        local = NamedSharding(z.mesh, PartitionSpec(REPLICA, *without_axis(z.spec, REPLICA)))
+        local = NamedSharding(z.mesh, PartitionSpec(axis, *without_axis(z.spec, axis)))
         g = jax.lax.with_sharding_constraint(g, local)
         return jax.lax.with_sharding_constraint(g.sum(0) * scale, z)
 

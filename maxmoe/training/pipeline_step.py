@@ -2,8 +2,12 @@
 
     train_step(state, batch) -> (state, metrics)      as maxmoe.training.step, same metrics
 
-The state's `moe_layers` leaves are in the stage layout (maxmoe.training.stage_state).
-The micro-batches (train.grad_accum of them, today's strided split) run through the
+The state's `moe_layers` leaves are in the stage layout (maxmoe.training.stage_state);
+the other parameters (embedding, dense layers, head, MTP), which every stage holds to
+compute with, keep their master weights and Adam moments ZeRO-1 over the stages
+(maxmoe.training.programs): once per step their compute-dtype copy is gathered across the
+stages and their gradients, summed per stage by the schedule, reduce-scattered back
+(maxmoe.parallel.replicas.compute_copy / reduce_to_zero1 over `pipeline`). The micro-batches (train.grad_accum of them, today's strided split) run through the
 circular 1F1B schedule of maxmoe.parallel.pipeline; the loss, gradients and statistics
 are those of the micro-batch scan: mean over micro-batches of lm + mtp_loss_weight x mtp
 + seq_aux_alpha x seq_aux, loads summed, other statistics averaged. What follows the
@@ -15,14 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 from maxmoe.config import Config
 from maxmoe.model import stages
+from maxmoe.model.transformer import COMPUTE_DTYPES, abstract_variables, uses_float32
 from maxmoe.parallel import replicas
-from maxmoe.parallel.pipeline import PipelineFns, pipeline_forward, pipeline_value_and_grad
+from maxmoe.parallel.pipeline import AXIS, PipelineFns, pipeline_forward, pipeline_value_and_grad
 from maxmoe.parallel.pipeline_schedule import build_schedule
 from maxmoe.training import stage_state
 from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, mean_stats
@@ -57,6 +63,20 @@ def _stage_inputs(config: Config, params: dict, router: dict):
     return stack, {"router": stack_router, "mask": mask}, outer, outer_state
 
 
+def _outer_weights(config: Config, layout: Any) -> tuple[Callable, Any]:
+    """(copy, zero1): copy(outer master weights) -> the compute copy every stage runs with,
+    and the outer parameters' ZeRO-1 shardings over the stages (those of maxmoe.training.programs)."""
+    _, boxed = stages.split_stack(abstract_variables(config.model, boxed=True)["params"])
+    zero1, in_stage = layout.zero1_shardings(boxed, (AXIS,)), layout.tree_shardings(boxed)
+    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
+    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+
+    def copy(outer):
+        return replicas.compute_copy(outer, zero1, in_stage, keep, dtype, axis=AXIS)
+
+    return copy, zero1
+
+
 def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any) -> Callable:
     """train_step(state, batch) -> (state, metrics) through the pipeline schedule."""
     m = config.mesh
@@ -65,6 +85,7 @@ def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransforma
     grad_fn = pipeline_value_and_grad(
         make_fns(config, layout), schedule, layout.mesh, residuals=config.train.pipeline_residuals
     )
+    outer_copy, outer_zero1 = _outer_weights(config, layout)
 
     def model_order(tree):
         return stage_state.to_model(config, tree)
@@ -72,7 +93,8 @@ def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransforma
     def train_step(state: TrainState, batch_BT: jax.Array):
         stack, stack_state, outer, outer_state = _stage_inputs(config, state.params, state.router)
         micro = replicas.micro_batches(batch_BT, accum)
-        loss, (g_stack, g_outer), (stats, post) = grad_fn(stack, stack_state, outer, outer_state, micro)
+        loss, (g_stack, g_outer_P), (stats, post) = grad_fn(stack, stack_state, outer_copy(outer), outer_state, micro)
+        g_outer = replicas.reduce_to_zero1(g_outer_P, outer_zero1, 1.0, axis=AXIS)
         grads = {**g_outer, stages.STACK: g_stack}
         # post: the MTP depths' statistics and losses; stats: every slot's, [V, P, S, ...].
         seq_aux = post["seq_aux"] + stats["moe"]["router"]["seq_aux"].sum()
@@ -91,9 +113,10 @@ def make_pipeline_eval_step(config: Config, layout: Any) -> Callable:
     run = pipeline_forward(
         make_fns(config, layout, train=False), build_schedule(m.pipeline, m.pipeline_virtual, accum), layout.mesh
     )
+    outer_copy, _ = _outer_weights(config, layout)
 
     def eval_step(params, router, batch_BT):
-        loss, _ = run(*_stage_inputs(config, params, router), replicas.micro_batches(batch_BT, accum))
-        return loss
+        stack, stack_state, outer, outer_state = _stage_inputs(config, params, router)
+        return run(stack, stack_state, outer_copy(outer), outer_state, replicas.micro_batches(batch_BT, accum))[0]
 
     return eval_step

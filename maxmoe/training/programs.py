@@ -43,7 +43,8 @@ def build_programs(config: Config, layout) -> Programs:
     """State shardings from the parameters' logical axes; step functions jitted with them.
 
     With pipeline stages the layer stack lives in the stage layout (maxmoe.training.stage_state):
-    init builds model order and re-lays it inside the same program. With more than one replica
+    init builds model order and re-lays it inside the same program; the other parameters'
+    master weights and optimizer state are sharded over the stages too. With more than one replica
     (mesh.across_domains=zero1) params and optimizer state sit on ZeRO-1 shardings (sharded
     over every device); the state's tree, shapes and dtypes do not change, so checkpoints
     restore across the two modes.
@@ -55,7 +56,15 @@ def build_programs(config: Config, layout) -> Programs:
         shardings = shardings.replace(
             params=layout.zero1_shardings(boxed.params), opt_state=layout.zero1_shardings(boxed.opt_state)
         )
-    shardings = stage_state.stage_shardings(config, shardings)
+    # With stages, the parameters outside the layer stack are on every stage: their master
+    # weights and moments are ZeRO-1 over the stages, gathered once per step (pipeline_step).
+    outer = None
+    if layout.stages > 1:
+        over = (pipeline_step.AXIS,)
+        outer = shardings.replace(
+            params=layout.zero1_shardings(boxed.params, over), opt_state=layout.zero1_shardings(boxed.opt_state, over)
+        )
+    shardings = stage_state.stage_shardings(config, shardings, outer)
     abstract = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         stage_state.stage_abstract(config, nn.unbox(boxed)),

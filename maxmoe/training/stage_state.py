@@ -53,11 +53,18 @@ def model_sharding(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(None, *rest))
 
 
-def stage_shardings(config: Config, shardings: Any) -> Any:
-    """Model-order shardings of a state tree -> those of its stage layout."""
+def stage_shardings(config: Config, shardings: Any, outer: Any = None) -> Any:
+    """Model-order shardings of a state tree -> those of its stage layout.
+
+    outer: a tree of the same structure whose entries replace those of the leaves outside
+    the layer stack (their ZeRO-1 sharding over the stages); default: kept as given.
+    """
     if slot_layout(config) is None:
         return shardings
-    return _map_stacked(stage_sharding, shardings)
+    outer = shardings if outer is None else outer
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s, o: stage_sharding(s) if _stacked(path) else o, shardings, outer
+    )
 
 
 def stage_abstract(config: Config, abstract: Any) -> Any:
