@@ -178,10 +178,10 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
     tree of [M, ...] per-micro-batch arrays) are replicated over `pipeline`. Only the params
     are differentiated.
     Returns the float32 loss; grads = (stage grads [V, P, S, ...], outer grads per stage
-    [P, ...]), float32: each stage's share of the outer gradients (pre's on stage 0, post's on
-    stage P-1, zeros elsewhere), left for the caller to sum, so that the sum can be a
-    reduce-scatter onto optimizer state sharded over the stages; stats = (chunk stats summed over micro-batches [V, P, ...], post stats summed over
-    micro-batches). `run.info` holds the ring's size once traced (slots, bytes per item).
+    [P, ...]), float32: each stage's share of the outer gradients (pre's on stage 0, post's
+    on stage P-1, zeros elsewhere), left for the caller to sum, so that the sum can be a
+    reduce-scatter onto optimizer state sharded over the stages; stats = (chunk stats summed
+    over micro-batches [V, P, ...], post stats summed over micro-batches). `run.info` holds the ring's size once traced (slots, bytes per item).
     """
     residual_cls = RESIDUALS[residuals]
     P, V, M = schedule.stages, schedule.virtual, schedule.micro

@@ -7,10 +7,11 @@ the other parameters (embedding, dense layers, head, MTP), which every stage hol
 compute with, keep their master weights and Adam moments ZeRO-1 over the stages
 (maxmoe.training.programs): once per step their compute-dtype copy is gathered across the
 stages and their gradients, summed per stage by the schedule, reduce-scattered back
-(maxmoe.parallel.replicas.compute_copy / reduce_to_zero1 over `pipeline`). The micro-batches (train.grad_accum of them, today's strided split) run through the
-circular 1F1B schedule of maxmoe.parallel.pipeline; the loss, gradients and statistics
-are those of the micro-batch scan: mean over micro-batches of lm + mtp_loss_weight x mtp
-+ seq_aux_alpha x seq_aux, loads summed, other statistics averaged. What follows the
+(maxmoe.parallel.replicas.compute_copy / reduce_to_zero1 over `pipeline`). The
+micro-batches (train.grad_accum of them, today's strided split) run through the circular
+1F1B schedule of maxmoe.parallel.pipeline; the loss, gradients and statistics are those
+of the micro-batch scan: mean over micro-batches of lm + mtp_loss_weight x mtp +
+seq_aux_alpha x seq_aux, loads summed, other statistics averaged. What follows the
 gradients (AdamW, router bias update, skipping non-finite steps) is step.apply_gradients.
 """
 
@@ -19,19 +20,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 from maxmoe.config import Config
 from maxmoe.model import stages
-from maxmoe.model.transformer import COMPUTE_DTYPES, abstract_variables, uses_float32
+from maxmoe.model.transformer import abstract_variables
 from maxmoe.parallel import replicas
 from maxmoe.parallel.pipeline import AXIS, PipelineFns, pipeline_forward, pipeline_value_and_grad
 from maxmoe.parallel.pipeline_schedule import build_schedule
 from maxmoe.training import stage_state
-from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, mean_stats
+from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, mean_stats, weight_copy
 
 
 def make_fns(config: Config, layout: Any, *, train: bool = True) -> PipelineFns:
@@ -63,18 +63,12 @@ def _stage_inputs(config: Config, params: dict, router: dict):
     return stack, {"router": stack_router, "mask": mask}, outer, outer_state
 
 
-def _outer_weights(config: Config, layout: Any) -> tuple[Callable, Any]:
-    """(copy, zero1): copy(outer master weights) -> the compute copy every stage runs with,
-    and the outer parameters' ZeRO-1 shardings over the stages (those of maxmoe.training.programs)."""
+def _outer_weights(config: Config, layout: Any):
+    """The outer parameters' (copy, zero1, in_stage): their master weights are ZeRO-1 over the
+    stages (as maxmoe.training.programs lays them out), the copy every stage runs with is
+    gathered over `pipeline`."""
     _, boxed = stages.split_stack(abstract_variables(config.model, boxed=True)["params"])
-    zero1, in_stage = layout.zero1_shardings(boxed, (AXIS,)), layout.tree_shardings(boxed)
-    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
-    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
-
-    def copy(outer):
-        return replicas.compute_copy(outer, zero1, in_stage, keep, dtype, axis=AXIS)
-
-    return copy, zero1
+    return weight_copy(config, layout, boxed, over=(AXIS,), axis=AXIS)
 
 
 def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any) -> Callable:
@@ -85,7 +79,7 @@ def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransforma
     grad_fn = pipeline_value_and_grad(
         make_fns(config, layout), schedule, layout.mesh, residuals=config.train.pipeline_residuals
     )
-    outer_copy, outer_zero1 = _outer_weights(config, layout)
+    outer_copy, outer_zero1, _ = _outer_weights(config, layout)
 
     def model_order(tree):
         return stage_state.to_model(config, tree)
@@ -113,7 +107,7 @@ def make_pipeline_eval_step(config: Config, layout: Any) -> Callable:
     run = pipeline_forward(
         make_fns(config, layout, train=False), build_schedule(m.pipeline, m.pipeline_virtual, accum), layout.mesh
     )
-    outer_copy, _ = _outer_weights(config, layout)
+    outer_copy, _, _ = _outer_weights(config, layout)
 
     def eval_step(params, router, batch_BT):
         stack, stack_state, outer, outer_state = _stage_inputs(config, params, router)

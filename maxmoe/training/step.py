@@ -193,6 +193,25 @@ def _accumulated_grads(config: Config, layout: Any) -> Callable:
     return grads_fn
 
 
+def weight_copy(
+    config: Config, layout: Any, boxed_params: Any, over: Any = None, axis: str = replicas.REPLICA
+) -> tuple[Callable, Any, Any]:
+    """(copy, zero1, in_domain) for master weights kept ZeRO-1 (`Layout.zero1_shardings(.., over)`).
+
+    boxed_params: the weights' flax-boxed abstract tree. copy(master) -> the compute-dtype copy
+    on the in-domain shardings (`replicas.compute_copy`, gathered over `axis`; norm scales and
+    the router's gate stay float32); zero1 / in_domain: the two trees of NamedShardings.
+    """
+    zero1, in_domain = layout.zero1_shardings(boxed_params, over), layout.tree_shardings(boxed_params)
+    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed_params))
+    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+
+    def copy(master):
+        return replicas.compute_copy(master, zero1, in_domain, keep, dtype, axis)
+
+    return copy, zero1, in_domain
+
+
 def _two_tier_grads(config: Config, layout: Any) -> Callable:
     """grads(params, router, batch) -> (loss, aux, grads) under mesh.across_domains=zero1 (maxmoe.parallel.replicas).
 
@@ -203,17 +222,13 @@ def _two_tier_grads(config: Config, layout: Any) -> Callable:
     cotangent, as when the model casts a float32 weight itself; only the sum over a
     weight's uses in one micro-batch (the embedding: main and MTP) is taken in that dtype.
     """
-    boxed = abstract_variables(config.model, boxed=True)["params"]
-    zero1, in_domain = layout.zero1_shardings(boxed), layout.tree_shardings(boxed)
-    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
+    copy, zero1, in_domain = weight_copy(config, layout, abstract_variables(config.model, boxed=True)["params"])
     grad_fn = jax.value_and_grad(make_loss_fn(config, layout), has_aux=True)
     accum, r = config.train.grad_accum, layout.replicas
     accumulate = replicas.make_accumulate(grad_fn, accum, layout.mesh, jax.tree.map(lambda s: s.spec, in_domain))
-    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
 
     def grads_fn(params, router, batch_BT):
-        compute = replicas.compute_copy(params, zero1, in_domain, keep, dtype)
-        loss_R, aux_R, grads_R = accumulate(compute, router, batch_BT)
+        loss_R, aux_R, grads_R = accumulate(copy(params), router, batch_BT)
         grads = replicas.reduce_to_zero1(grads_R, zero1, 1.0 / (accum * r))
         aux = mean_stats(jax.tree.map(lambda v: v.sum(0), aux_R), accum * r)
         return loss_R.sum(0) / (accum * r), aux, grads
@@ -301,14 +316,11 @@ def make_eval_step(config: Config, layout: Any = None) -> Callable:
 
     if layout is None or layout.replicas == 1:
         return eval_step
-    boxed = abstract_variables(config.model, boxed=True)["params"]
-    zero1, in_domain = layout.zero1_shardings(boxed), layout.tree_shardings(boxed)
-    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
-    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+    copy, _, _ = weight_copy(config, layout, abstract_variables(config.model, boxed=True)["params"])
     per_replica = replicas.replica_mean(eval_step, layout.mesh)
 
     def two_tier_eval_step(params, router, batch_BT):
-        return per_replica(replicas.compute_copy(params, zero1, in_domain, keep, dtype), router, batch_BT)
+        return per_replica(copy(params), router, batch_BT)
 
     return two_tier_eval_step
 
