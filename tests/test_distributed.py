@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import job_env
 
 from maxmoe import distributed
 from maxmoe.config import UserError, load_config
@@ -302,8 +303,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_saves_it(tmp_
     """Preemption notice on one host only: JAX's sync point makes every process stop at one step."""
     port = free_port
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",) + LAUNCH_VARS}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = {k: v for k, v in job_env(JAX_PLATFORMS="cpu").items() if k not in LAUNCH_VARS}
     procs = [_train_process(port, i, run_dir, env) for i in range(2)]
     metrics = run_dir / "metrics.jsonl"
     try:
