@@ -8,9 +8,8 @@ all-gather dispatch is the other acceptance layout; docs/SHARDING.md has its com
 Checkpoints are written in model order: the pipeline's step-2 checkpoint resumes on one
 device, the one device's on the pipeline, and each then takes step 3 as the other run did.
 The weights outside the layer stack keep master weights and Adam moments split over the
-stages; in bf16 (their compute copy gathered over the stages) the first steps match one
-device's bf16 steps to bf16 rounding. The CUDA lowering keeps the expert all-to-alls inside
-a stage.
+stages (tests/test_pipeline_bf16.py: the same in bf16). The CUDA lowering keeps the expert
+all-to-alls inside a stage.
 """
 
 import json
@@ -188,46 +187,6 @@ def test_checkpoint_pipeline_to_one_device_and_back(runs):
     jax.tree.map(np.testing.assert_array_equal, model_order, one.state_2)
     _, metrics = pipe.step(state, pipe.put(batches()[2]))
     assert_metrics_match([jax.device_get(metrics)], [one.metrics[2]], first_step=3)
-
-
-def test_bfloat16_steps_match_one_device():
-    """bf16 compute: the outer weights reach the stages as a bf16 copy gathered over `pipeline`
-    (their master weights ZeRO-1 over the stages), the stack's as the model casts them. The
-    pipeline (one MoE layer per stage, no padding: a layout the float32 runs above do not take)
-    against one device's bf16 steps from the same parameters and batches.
-
-    Both programs round the same values to bf16; what differs is the order of float32 sums
-    (micro-batches, experts, stages), so step 1, from equal parameters, agrees to within bf16's
-    unit roundoff 2^-8, and so does step 2's loss. Later gradient norms are left out: after an
-    AdamW step, elements with gradients near Adam's eps turn those differences into larger ones.
-    """
-    bf16 = ["model.compute_dtype=bfloat16", "model.num_layers=3"]
-    one = Stepper(config_of(bf16 + ["mesh.data=1"]))
-    pipe = Stepper(config_of(bf16 + ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2", "moe.dispatch=ragged_a2a"]))
-    start = jax.device_get(one.programs.init(jax.random.key(0)))
-    got, want = pipe.run(start, 2), one.run(start, 2)
-    u = 2.0**-8
-    for key in ("loss", "lm_loss", "mtp_loss", "seq_aux", "grad_norm"):
-        np.testing.assert_allclose(got[0][key], want[0][key], rtol=u, err_msg=f"step 1 {key}")
-    np.testing.assert_allclose(got[1]["loss"], want[1]["loss"], rtol=u, err_msg="step 2 loss")
-
-
-class Stepper:
-    """A config's programs on the first devices it needs: `run(start, n)` -> n steps' metrics
-    from `start` (model order, host arrays) on `batches()`."""
-
-    def __init__(self, config):
-        m = config.mesh
-        self.config = config
-        self.programs = build_programs(config, build_layout(config, jax.devices()[: m.pipeline * m.data * m.expert]))
-
-    def run(self, start, steps):
-        state = stage_state.to_stage_order(self.config, start, self.programs.abstract_state)
-        metrics = []
-        for batch in batches()[:steps]:
-            state, m = self.programs.train_step(state, jax.device_put(batch, self.programs.batch_sharding))
-            metrics.append(jax.device_get(m))
-        return metrics
 
 
 def test_cuda_lowering_keeps_expert_traffic_in_a_stage():
