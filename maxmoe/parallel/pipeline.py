@@ -181,7 +181,8 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
     [P, ...]), float32: each stage's share of the outer gradients (pre's on stage 0, post's
     on stage P-1, zeros elsewhere), left for the caller to sum, so that the sum can be a
     reduce-scatter onto optimizer state sharded over the stages; stats = (chunk stats summed
-    over micro-batches [V, P, ...], post stats summed over micro-batches). `run.info` holds the ring's size once traced (slots, bytes per item).
+    over micro-batches [V, P, ...], post stats summed over micro-batches).
+    `run.info` holds the ring's size once traced (slots, bytes per item).
     """
     residual_cls = RESIDUALS[residuals]
     P, V, M = schedule.stages, schedule.virtual, schedule.micro

@@ -64,11 +64,10 @@ def _stage_inputs(config: Config, params: dict, router: dict):
 
 
 def _outer_weights(config: Config, layout: Any):
-    """The outer parameters' (copy, zero1, in_stage): their master weights are ZeRO-1 over the
-    stages (as maxmoe.training.programs lays them out), the copy every stage runs with is
-    gathered over `pipeline`."""
+    """The outer parameters' (copy, zero1, in_stage): their master weights are ZeRO-1 over
+    stage_state.OUTER_ZERO1, the copy every stage runs with is gathered over `pipeline`."""
     _, boxed = stages.split_stack(abstract_variables(config.model, boxed=True)["params"])
-    return weight_copy(config, layout, boxed, over=(AXIS,), axis=AXIS)
+    return weight_copy(config, layout, boxed, over=stage_state.OUTER_ZERO1, axis=AXIS)
 
 
 def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any) -> Callable:

@@ -60,9 +60,9 @@ def build_programs(config: Config, layout) -> Programs:
     # weights and moments are ZeRO-1 over the stages, gathered once per step (pipeline_step).
     outer = None
     if layout.stages > 1:
-        over = (pipeline_step.AXIS,)
         outer = shardings.replace(
-            params=layout.zero1_shardings(boxed.params, over), opt_state=layout.zero1_shardings(boxed.opt_state, over)
+            params=stage_state.outer_shardings(layout, boxed.params),
+            opt_state=stage_state.outer_shardings(layout, boxed.opt_state),
         )
     shardings = stage_state.stage_shardings(config, shardings, outer)
     abstract = jax.tree.map(

@@ -53,6 +53,17 @@ def model_sharding(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(None, *rest))
 
 
+# The parameters outside the layer stack (embedding, dense layers, head, MTP) run on every
+# stage; their master weights and optimizer state are ZeRO-1 over these axes, and the train
+# step gathers their compute copy over them once per step (maxmoe.training.pipeline_step).
+OUTER_ZERO1 = (AXIS,)
+
+
+def outer_shardings(layout: Any, boxed: Any) -> Any:
+    """The ZeRO-1 shardings over the stages of a flax-boxed state tree (params, opt_state)."""
+    return layout.zero1_shardings(boxed, OUTER_ZERO1)
+
+
 def stage_shardings(config: Config, shardings: Any, outer: Any = None) -> Any:
     """Model-order shardings of a state tree -> those of its stage layout.
 
