@@ -7,9 +7,12 @@ Shapes (dense: [M, K] x [K, N]; grouped: M rows, the first half in balanced grou
   671b    dense M=16,384 K=7,168 N=2,048 (one GPU's tokens through a 671B projection);
           grouped M=65,536 G=4 D=7,168 F=2,048 (one GPU of the 671B plan)
   small   dense M=256 K=256 N=128; grouped M=256 G=8 D=128 F=64 (the CPU smoke test)
-Per recipe (bf16 is the plain matmul / `jax.lax.ragged_dot`): ms and TFLOP/s on the useful
+Per recipe (bf16 is the plain matmul / the bf16 grouped GEMM): ms and TFLOP/s on the useful
 FLOPs (2 M K N forward, 3 x that forward+backward), and the ratio to bf16. The FP8 rows run
-`maxmoe.parallel.fp8_matmul` as training does: quantisation of every operand included.
+`maxmoe.parallel.fp8_matmul` as training does: quantisation of every operand included. The
+grouped rows, bf16 and FP8, run on the grouped backend `moe.grouped_matmul=auto` picks here
+(`--grouped-backend` to name one): on Hopper mosaic_gpu, under which blockwise runs its
+Pallas Triton kernel (maxmoe.parallel.fp8_grouped_kernel); ragged_dot is XLA's program.
 """
 
 import argparse
@@ -28,20 +31,21 @@ SHAPES = {
 RECIPES = ("bf16", "tensorwise", "blockwise", "mxfp8")
 
 
-def _functions(kind, recipe):
+def _functions(kind, recipe, backend):
     """(forward, forward+backward) of fn(a, b, sizes, cotangent) for one GEMM kind and recipe."""
     import jax
     import jax.numpy as jnp
 
     from maxmoe.parallel.fp8_matmul import fp8_grouped_matmul, fp8_matmul
+    from maxmoe.parallel.grouped_matmul import grouped_matmul
 
     def forward(a, b, sizes, ct):
         del ct
         if kind == "dense":
             return a @ b if recipe == "bf16" else fp8_matmul(a, b, recipe)
         if recipe == "bf16":
-            return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(a.dtype)
-        return fp8_grouped_matmul(a, b, sizes, recipe)
+            return grouped_matmul(a, b, sizes, backend=backend)
+        return fp8_grouped_matmul(a, b, sizes, recipe, backend)
 
     def loss(a, b, sizes, ct):
         return jnp.sum(forward(a, b, sizes, ct).astype(jnp.float32) * ct)
@@ -49,7 +53,7 @@ def _functions(kind, recipe):
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-def run_shape(name, shape, recipes, repeats, emit=lambda rows: None):
+def run_shape(name, shape, recipes, repeats, emit=lambda rows: None, backend="ragged_dot"):
     """Rows of the table for one shape: dense then grouped, one row per recipe; `emit(rows so far)`
     after each, so that a run cut short by a timeout keeps what it measured."""
     import jax
@@ -85,7 +89,9 @@ def run_shape(name, shape, recipes, repeats, emit=lambda rows: None):
         base = {}
         for recipe in recipes:
             row = {"shape": name, "kind": kind, "recipe": recipe, "useful_gflop": useful / 1e9}
-            forward, forward_backward = _functions(kind, recipe)
+            if kind == "grouped":
+                row["backend"] = backend
+            forward, forward_backward = _functions(kind, recipe, backend)
             for part, fn, factor in (("fwd", forward, 1), ("fwd_bwd", forward_backward, 3)):
                 try:
                     seconds = timed(fn, args, repeats)
@@ -114,6 +120,14 @@ def main(argv=None):
     parser.add_argument("--recipe", action="append", choices=RECIPES[1:], help="repeatable; default: all")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="write the results here")
+    from maxmoe.config import GROUPED_MATMUL_BACKENDS, ConfigError
+
+    parser.add_argument(
+        "--grouped-backend",
+        default="auto",
+        choices=("auto",) + GROUPED_MATMUL_BACKENDS,
+        help="moe.grouped_matmul for the grouped rows",
+    )
     args = parser.parse_args(argv)
     if args.repeats <= 0:
         parser.error("--repeats must be positive")
@@ -124,6 +138,12 @@ def main(argv=None):
         shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
     )
     device = jax.devices()[0]
+    from maxmoe.parallel.kernel_choice import resolve_grouped_matmul, target
+
+    try:
+        backend = resolve_grouped_matmul(args.grouped_backend, *target(), "bfloat16").name
+    except ConfigError as e:  # a backend that cannot run here
+        parser.error(str(e))
 
     def write(rows):
         if args.json:
@@ -134,9 +154,9 @@ def main(argv=None):
     rows = []
     for name in args.shape or ["671b"]:
         done = list(rows)
-        rows += run_shape(name, SHAPES[name], recipes, args.repeats, lambda new, done=done: write(done + new))
+        rows += run_shape(name, SHAPES[name], recipes, args.repeats, lambda new, done=done: write(done + new), backend)
     print(f"$ {command}")
-    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, operands bf16")
+    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, operands bf16, grouped backend {backend}")
     print(format_table(rows))
     write(rows)
     return 0

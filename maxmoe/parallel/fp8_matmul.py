@@ -21,8 +21,11 @@ leave in the dtypes of the operands. Inputs are saved for the backward pass unqu
 
 Grouped GEMM (rows sorted by group, as `maxmoe.parallel.grouped_matmul`): tensorwise and
 blockwise run `jax.lax.ragged_dot` on fp8 operands (on GPU XLA rewrites it into a dense dot of
-G x the FLOPs), except that tensorwise with a bf16-only kernel (`moe.grouped_matmul=mosaic_gpu`
-or tokamax) gives it the fp8 values as bf16, exact, and rescales; activation scales are per row (per 128 columns), weight
+G x the FLOPs), except under a GPU kernel backend (`moe.grouped_matmul=mosaic_gpu` or tokamax):
+there tensorwise gives that bf16-only kernel the fp8 values as bf16, exact, and rescales, and
+blockwise's forward and dx run its own Pallas Triton kernel
+(`maxmoe.parallel.fp8_grouped_kernel`: fp8 dots with the promotion every 128, no padding of
+the groups) wherever Triton lowers; activation scales are per row (per 128 columns), weight
 scales per group (per block). The weight gradient's contraction runs over each group's rows,
 so its scales are one per (group, column) there (blockwise) rather than 128-row tiles, which
 would need a partial sum per tile. mxfp8 rounds operands to MXFP8 and runs the configured
@@ -39,14 +42,18 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from maxmoe.parallel.attention_kernels import triton_lowers_here
+from maxmoe.parallel.fp8_grouped_kernel import blockwise_grouped_gemm
 from maxmoe.parallel.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
 from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_matmul
+from maxmoe.parallel.varying import vary_alike
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 TILE = 128  # DeepSeek-V3's tile and block edge
 MX_BLOCK = 32  # OCP MX block
 # Grouped kernels that take bf16 only (jax's Mosaic GPU ragged dot, tokamax): tensorwise feeds them
-# the fp8 values as bf16 rather than XLA's ragged_dot, which on GPU costs G x the FLOPs.
+# the fp8 values as bf16 rather than XLA's ragged_dot, which on GPU costs G x the FLOPs; with
+# them (a GPU target) blockwise runs maxmoe.parallel.fp8_grouped_kernel.
 BF16_KERNELS = ("mosaic_gpu", "tokamax")
 
 # Per recipe and GEMM: (lhs dtype, lhs block, rhs dtype, rhs block); the lhs contraction is its
@@ -110,28 +117,6 @@ def _mx_dot(a_MK, b_KN):
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
 
-def _varying_axes(x) -> frozenset:
-    """The shard_map axes x varies over (empty outside shard_map)."""
-    manual = getattr(jax.typeof(x), "mat", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()
-
-
-def _vary_alike(*arrays):
-    """The arrays made to vary over the same shard_map axes (the union of theirs).
-
-    Inside shard_map a custom VJP must return each cotangent varying exactly as its input. The
-    weights are replicated over the data axes while the activations vary over them, so the
-    weight gradient computed from them varies too; casting the weights to varying first makes
-    autodiff sum that gradient over the data axes, as it does for a plain matmul.
-    """
-    union = frozenset().union(*(_varying_axes(a) for a in arrays))
-    out = []
-    for a in arrays:
-        missing = tuple(sorted(union - _varying_axes(a)))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return out
-
-
 def fp8_matmul(x, w_KN, recipe: str):
     """x [..., K] @ w [K, N] with every GEMM of forward and backward in fp8 (`recipe` in RECIPES).
 
@@ -140,7 +125,7 @@ def fp8_matmul(x, w_KN, recipe: str):
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
     lead = x.shape[:-1]
-    x, w_KN = _vary_alike(x, w_KN)
+    x, w_KN = vary_alike(x, w_KN)
     y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe)
     return y_MN.reshape(*lead, w_KN.shape[1])
 
@@ -193,8 +178,13 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend:
     bq_GKN, b_scale = jax.vmap(lambda b: quantize(b, b_dtype, b_block))(b_GKN)
     blocks = a_scale.shape[1]
     pad = blocks * TILE - k
-    groups_M = jnp.minimum(row_groups(group_sizes_G, m), g - 1)  # rows past the groups come out zero anyway
     b_cols_GBN = jax.vmap(lambda s: expand_scales(s, (blocks, n), (1, b_block[1])))(b_scale)
+    if backend in BF16_KERNELS and not triton_lowers_here():
+        # On a GPU: the block-scaled kernel, contraction last for both operands.
+        aq_MK = jnp.pad(aq, ((0, 0), (0, pad)))
+        bq_GNK = jnp.pad(bq_GKN, ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)
+        return blockwise_grouped_gemm(aq_MK, a_scale, bq_GNK, b_cols_GBN, group_sizes_G)
+    groups_M = jnp.minimum(row_groups(group_sizes_G, m), g - 1)  # rows past the groups come out zero anyway
     aq_BMT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE).transpose(1, 0, 2)
     bq_BGTN = jnp.pad(bq_GKN, ((0, 0), (0, pad), (0, 0))).reshape(g, blocks, TILE, n).transpose(1, 0, 2, 3)
 
@@ -240,7 +230,7 @@ def fp8_grouped_matmul(x_MD, w_GDF, group_sizes_G, recipe: str, backend: str = "
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
-    x_MD, w_GDF, group_sizes_G = _vary_alike(x_MD, w_GDF, group_sizes_G)
+    x_MD, w_GDF, group_sizes_G = vary_alike(x_MD, w_GDF, group_sizes_G)
     return _grouped(x_MD, w_GDF, group_sizes_G, recipe, backend)
 
 

@@ -34,6 +34,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from maxmoe.parallel.varying import vary_alike, vary_over, varying_axes
+
 BUCKETS = 4  # row prefixes the forward kernels may run on: M/4, M/2, 3M/4, M (in whole row blocks)
 HOPPER_SMS = 132  # H100 / H200 SXM; used only when lowering for CUDA without a GPU in this process
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -205,30 +207,12 @@ def _bucketed_forward(kernels: Kernels, x_MK, w, sizes_G, transpose_rhs: bool):
     return jax.lax.switch(index, [run(p) for p in prefixes], x_MK, w, sizes_G)
 
 
-def _vma(x) -> tuple:
-    """The manual mesh axes x varies over inside shard_map (empty outside)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    axes = manual.varying if manual is not None else getattr(aval, "vma", ())
-    return tuple(sorted(axes))
-
-
-def _varying(x, axes: tuple):
-    """x marked as varying over the manual mesh axes `axes` (inside shard_map).
-
-    Operands are brought to one set of axes before the custom VJP (so an operand
-    replicated over an axis gets its gradient summed over it, as jax does for its own
-    ops), and the kernels' outputs, which carry no mark, are given it."""
-    missing = tuple(a for a in axes if a not in _vma(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def make_grouped_matmul(kernels: Kernels):
     """A differentiable grouped matmul fn(x[M, K], w[G, K, N], sizes) -> [M, N] (x's dtype) over `kernels`."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
     def grouped_matmul(x_MK, w_GKN, sizes_G, axes):
-        return _varying(_bucketed_forward(kernels, x_MK, w_GKN, sizes_G, transpose_rhs=False), axes)
+        return vary_over(_bucketed_forward(kernels, x_MK, w_GKN, sizes_G, transpose_rhs=False), axes)
 
     def forward(x_MK, w_GKN, sizes_G, axes):
         return grouped_matmul(x_MK, w_GKN, sizes_G, axes), (x_MK, w_GKN, sizes_G)
@@ -239,13 +223,13 @@ def make_grouped_matmul(kernels: Kernels):
         dy_MN = _valid_rows(dy_MN.astype(x_MK.dtype), jnp.sum(sizes_G))
         dx_MK = _bucketed_forward(kernels, dy_MN, w_GKN, sizes_G, transpose_rhs=True)
         dw_GKN = kernels.weight_grad(x_MK, dy_MN, sizes_G).astype(w_GKN.dtype)
-        return _varying(dx_MK, axes), _varying(dw_GKN, axes), None
+        return vary_over(dx_MK, axes), vary_over(dw_GKN, axes), None
 
     grouped_matmul.defvjp(forward, backward)
 
     def call(x_MK, w_GKN, sizes_G):
-        axes = tuple(sorted(set(_vma(x_MK)) | set(_vma(w_GKN)) | set(_vma(sizes_G))))
-        x_MK, w_GKN, sizes_G = (_varying(a, axes) for a in (x_MK, w_GKN, sizes_G))
+        x_MK, w_GKN, sizes_G = vary_alike(x_MK, w_GKN, sizes_G)  # maxmoe.parallel.varying: why
+        axes = varying_axes(x_MK)
         return grouped_matmul(x_MK, w_GKN, sizes_G, axes)
 
     return call

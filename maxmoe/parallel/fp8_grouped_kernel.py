@@ -1,0 +1,122 @@
+"""DeepSeek-V3's block-scaled FP8 grouped GEMM as one Pallas Triton kernel (NVIDIA GPUs).
+
+    out[m, n] = sum_c a_scale[m, c] * b_scale[g(m), c, n] * (aq[m, c-th 128] . bq[g(m), n, c-th 128])
+
+aq [M, K] e4m3 with a float32 scale per row and 128 columns (1x128 tiles), bq [G, N, K] e4m3
+(contraction last) with a float32 scale per 128 of the contraction and per output column (a
+128x128 block's scale repeated over its 128 columns), rows sorted by group as
+`maxmoe.parallel.grouped_matmul` has them. This is the forward and input-gradient GEMM of
+`model.fp8=blockwise` (maxmoe.parallel.fp8_matmul). XLA has no such kernel: its program runs
+one fp8 `ragged_dot` per 128 of the contraction, and XLA:GPU rewrites each into a dense dot of
+G x the FLOPs.
+
+The kernel, per (row tile, column tile): one fp8 `dot` per 128 of the contraction into a fresh
+float32 accumulator, scaled by the tile's two scale vectors and added into the float32 sum:
+the "promotion" of DeepSeek-V3's kernels (Hopper's FP8 tensor cores keep about 14 bits while
+accumulating, so partial sums move to float32 every 128). A row tile is one group's share of a
+block of BLOCK_M rows: the schedule (`tile_schedule`) lists, group after group, the row blocks
+each group touches, so a block that two groups share is visited once per group with the other
+group's rows masked: at most G - 1 extra tiles, no padding of the groups. Rows past
+sum(group_sizes) come out zero. K must be a multiple of 128 (callers pad with zeros).
+
+`interpret=True` runs the same kernel through Pallas' interpreter (CPU tests). jax 0.10 lowers it
+for CUDA on a host without a GPU, newer jax only with one; jax 0.12 marks Pallas' Triton
+backend deprecated (still shipped), Mosaic GPU being where the kernel would move. Legend: M rows,
+K contraction, N output columns, G groups, C = K / 128 contraction blocks, T row tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from maxmoe.parallel.varying import vary_alike
+
+TILE = 128  # the recipe's contraction block; also the kernel's K step
+BLOCK_M = 128
+BLOCK_N = 128
+NUM_WARPS = 8
+NUM_STAGES = 4  # (128 x 128 + 128 x 128) fp8 per stage: 128 KiB of shared memory at 4
+
+
+def tile_schedule(group_sizes_G, rows: int, block_m: int = BLOCK_M):
+    """[T, 4] int32 (group, row block, first row, end row) per row tile; T = ceil(rows / block_m) + G - 1.
+
+    Tiles past those the groups need have first row = end row (nothing to do).
+    """
+    g = group_sizes_G.shape[0]
+    tiles = -(-rows // block_m) + g - 1
+    sizes = group_sizes_G.astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    first_block = starts // block_m
+    count = jnp.where(ends > starts, -(-ends // block_m) - first_block, 0)
+    tile_end = jnp.cumsum(count)
+    t = jnp.arange(tiles, dtype=jnp.int32)
+    group_T = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1).astype(jnp.int32)
+    block_T = first_block[group_T] + t - (tile_end[group_T] - count[group_T])
+    live = t < tile_end[-1]
+    lo = jnp.where(live, jnp.maximum(starts[group_T], block_T * block_m), 0)
+    hi = jnp.where(live, jnp.minimum(ends[group_T], (block_T + 1) * block_m), 0)
+    return jnp.stack([group_T, jnp.where(live, block_T, 0), lo, hi], axis=1)
+
+
+def _kernel(schedule_ref, aq_ref, a_scale_ref, bq_ref, b_scale_ref, out_ref, *, block_m, block_n, blocks):
+    t, j = pl.program_id(0), pl.program_id(1)
+    group, block = schedule_ref[t, 0], schedule_ref[t, 1]
+    lo, hi = schedule_ref[t, 2], schedule_ref[t, 3]
+    n = bq_ref.shape[1]
+    rows = block * block_m + jnp.arange(block_m)
+    cols = j * block_n + jnp.arange(block_n)
+    row_ok = (rows >= lo) & (rows < hi)
+    col_ok = cols < n
+    row_slice, col_slice = pl.ds(block * block_m, block_m), pl.ds(j * block_n, block_n)
+
+    def add_block(c, acc):
+        k_slice = pl.ds(c * TILE, TILE)
+        a = plgpu.load(aq_ref.at[row_slice, k_slice], mask=row_ok[:, None], other=0.0)
+        b = plgpu.load(bq_ref.at[group, col_slice, k_slice], mask=col_ok[:, None], other=0.0)
+        a_scale = plgpu.load(a_scale_ref.at[c, row_slice], mask=row_ok, other=0.0)
+        b_scale = plgpu.load(b_scale_ref.at[group, c, col_slice], mask=col_ok, other=0.0)
+        partial = plgpu.dot(a, b, trans_b=True)  # float32, a fresh accumulator per 128
+        return acc + partial * a_scale[:, None] * b_scale[None, :]
+
+    acc = jnp.zeros((block_m, block_n), jnp.float32)
+    acc = jax.lax.fori_loop(0, jnp.where(hi > lo, blocks, 0), add_block, acc)
+    plgpu.store(out_ref.at[row_slice, col_slice], acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def blockwise_grouped_gemm(
+    aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, *, out_dtype=jnp.float32, interpret=False
+):
+    """Row m of aq times bq[group of m]^T with DeepSeek-V3's block scales, in out_dtype.
+
+    aq_MK / bq_GNK: float8 values; a_scale_MC [M, K/128] and b_scale_GCN [G, K/128, N]: float32.
+    """
+    m, k = aq_MK.shape
+    g, n, _ = bq_GNK.shape
+    if k % TILE:
+        raise ValueError(f"the contraction ({k}) must be a multiple of {TILE}; pad it with zeros")
+    schedule = tile_schedule(group_sizes_G, m)
+    grid = (schedule.shape[0], pl.cdiv(n, BLOCK_N))
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731 - the kernel indexes itself
+    # Inside shard_map the operands vary alike and the output varies as they do.
+    inputs = vary_alike(schedule, aq_MK, a_scale_MC.T, bq_GNK, b_scale_GCN)
+    manual = getattr(jax.typeof(inputs[1]), "manual_axis_type", None)
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_m=BLOCK_M, block_n=BLOCK_N, blocks=k // TILE),
+        grid=grid,
+        in_specs=[whole(x.shape) for x in inputs],
+        out_specs=whole((m, n)),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype, manual_axis_type=manual),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name="fp8_blockwise_grouped_gemm",
+    )(*inputs)
+    # Rows no tile covers (past the groups) were never written.
+    valid = jnp.arange(m) < jnp.sum(group_sizes_G)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))

@@ -1,0 +1,32 @@
+"""Which manual mesh axes a value varies over inside `shard_map`, and making values vary alike.
+
+Inside shard_map (check_vma) every value's type says which manual axes it varies over. A custom
+VJP must return each cotangent varying as its input, and a kernel's output (which carries no
+mark of its own) must be given one. Operands are brought to the union of their axes first, so
+that an operand replicated over an axis (the weights, over the data axes) gets its gradient
+summed over that axis, as jax does for its own ops. Outside shard_map every set is empty.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying_axes(x) -> tuple[str, ...]:
+    """The manual mesh axes x varies over, sorted (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    axes = manual.varying if manual is not None else getattr(aval, "vma", ())
+    return tuple(sorted(axes))
+
+
+def vary_over(x, axes: tuple[str, ...]):
+    """x marked as varying over the manual axes `axes` (those it does not already vary over)."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_alike(*arrays) -> list:
+    """The arrays made to vary over the same manual axes: the union of theirs."""
+    union = tuple(sorted(set().union(*(varying_axes(a) for a in arrays))))
+    return [vary_over(a, union) for a in arrays]

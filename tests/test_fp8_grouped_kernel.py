@@ -1,0 +1,121 @@
+"""The block-scaled FP8 grouped GEMM kernel (maxmoe.parallel.fp8_grouped_kernel): its tile
+schedule against a plain loop, its values (Pallas interpret mode) against a float64 sum of the
+scaled 128-blocks, and the CUDA program of a blockwise train step that runs it."""
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxmoe.parallel.attention_kernels import triton_lowers_here
+from maxmoe.parallel.fp8_grouped_kernel import TILE, blockwise_grouped_gemm, tile_schedule
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+SCHEDULES = [  # (group sizes, rows, block rows)
+    ([30, 0, 60, 26], 136, 32),  # an empty group, groups sharing blocks, rows past the groups
+    ([64, 64], 128, 64),  # groups on block edges
+    ([200], 200, 64),  # one group: the dense GEMM
+    ([100, 100], 150, 64),  # the groups claim more rows than there are: cut at the last row
+    ([0, 0, 0], 64, 32),  # nothing to do
+    ([1, 1, 1, 1, 1], 40, 32),  # more groups than blocks
+]
+
+
+def loop_schedule(sizes, rows, block):
+    """(group, row block, first row, end row) of every tile with work, group after group."""
+    tiles, start = [], 0
+    for g, size in enumerate(sizes):
+        end = min(start + size, rows)
+        for b in range(start // block, -(-end // block) if end > start else start // block):
+            tiles.append((g, b, max(start, b * block), min(end, (b + 1) * block)))
+        start = end
+    return tiles
+
+
+@pytest.mark.parametrize("sizes,rows,block", SCHEDULES)
+def test_tile_schedule_equals_a_loop_over_groups_and_blocks(sizes, rows, block):
+    schedule = np.asarray(tile_schedule(jnp.asarray(sizes, jnp.int32), rows, block))
+    assert schedule.shape == (-(-rows // block) + len(sizes) - 1, 4)
+    live = [tuple(int(v) for v in t) for t in schedule if t[3] > t[2]]
+    assert live == loop_schedule(sizes, rows, block)
+    assert all(t[3] == t[2] for t in schedule[len(live) :])  # the rest are empty tiles
+
+
+def fp8_operands(m, k, n, g, seed):
+    rng = np.random.default_rng(seed)
+    aq = jnp.asarray(rng.normal(size=(m, k)) * 8, jnp.float8_e4m3fn)
+    bq = jnp.asarray(rng.normal(size=(g, n, k)) * 8, jnp.float8_e4m3fn)
+    # scales that differ per row, per 128 of the contraction and per column, over decades
+    a_scale = jnp.asarray(10.0 ** rng.uniform(-3, 0, size=(m, k // TILE)), jnp.float32)
+    b_scale = jnp.asarray(10.0 ** rng.uniform(-3, 0, size=(g, k // TILE, n)), jnp.float32)
+    return aq, a_scale, bq, b_scale
+
+
+def block_scaled_reference(aq, a_scale, bq, b_scale, sizes):
+    """float64: out[r, n] = sum_c a_scale[r, c] b_scale[g, c, n] (aq[r, block c] . bq[g, n, block c])."""
+    a = np.asarray(aq, np.float64).reshape(aq.shape[0], -1, TILE)
+    b = np.asarray(bq, np.float64).reshape(*bq.shape[:2], -1, TILE)
+    a_s, b_s = np.asarray(a_scale, np.float64), np.asarray(b_scale, np.float64)
+    out = np.zeros((aq.shape[0], bq.shape[1]))
+    magnitude = np.zeros_like(out)
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        partial = np.einsum("rck,nck->rcn", a[rows], b[g])
+        out[rows] = np.einsum("rcn,rc,cn->rn", partial, a_s[rows], b_s[g])
+        magnitude[rows] = np.einsum("rck,nck,rc,cn->rn", np.abs(a[rows]), np.abs(b[g]), a_s[rows], b_s[g])
+        start += size
+    return out, magnitude
+
+
+@pytest.mark.smoke  # the Pallas Triton API of the newest jax too
+@pytest.mark.parametrize(
+    "sizes,rows,n",
+    [
+        ([70, 0, 129, 60], 300, 200),  # ragged groups, an empty one, 41 rows past them, a partial column tile
+        ([256], 256, 128),  # one group: a dense blockwise GEMM
+    ],
+)
+def test_kernel_equals_the_float64_sum_of_scaled_blocks(sizes, rows, n):
+    aq, a_scale, bq, b_scale = fp8_operands(rows, 2 * TILE, n, len(sizes), seed=len(sizes))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(blockwise_grouped_gemm(aq, a_scale, bq, b_scale, group_sizes, interpret=True), np.float64)
+    exact, magnitude = block_scaled_reference(aq, a_scale, bq, b_scale, sizes)
+    # fp8 x fp8 products are exact in float32; what float32 adds is the rounding of the sums.
+    bound = 2 * TILE * 2.0**-24 * magnitude + 1e-30
+    assert np.max(np.abs(got - exact) / bound) <= 1.0
+    np.testing.assert_array_equal(got[sum(sizes) :], 0.0)
+    assert np.max(np.abs(exact)) > 1.0  # the comparison is not between zeros
+
+
+def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_blocks():
+    aq, a_scale, bq, b_scale = fp8_operands(64, TILE, 64, 2, seed=0)
+    sizes = jnp.asarray([32, 32], jnp.int32)
+    out = blockwise_grouped_gemm(aq, a_scale, bq, b_scale, sizes, out_dtype=jnp.bfloat16, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="multiple of 128"):
+        blockwise_grouped_gemm(aq[:, :96], a_scale, bq[:, :, :96], b_scale, sizes, interpret=True)
+
+
+@pytest.mark.skipif(bool(triton_lowers_here()), reason="this jax lowers Pallas Triton kernels only with a GPU")
+def test_blockwise_train_step_runs_the_kernel_for_hopper():
+    """On a Hopper target (grouped backend mosaic_gpu) blockwise's grouped forward and dx GEMMs
+    are the Triton kernel, not XLA's fp8 ragged_dot; the weight gradient stays a ragged_dot."""
+    from maxmoe.config import load_config
+    from maxmoe.lowering import lower_train_step
+    from maxmoe.mesh import build_layout
+
+    config = load_config(
+        [TINY],
+        ["model.num_layers=1", "model.first_k_dense=0", "model.mtp_num_layers=0", "data.source=synthetic"]
+        + ["train.batch_size=8", "train.seq_len=32", "model.fp8=blockwise", "model.compute_dtype=bfloat16"]
+        + ["mesh.data=2", "mesh.expert=4", "model.hidden_size=128", "model.moe_mlp_dim=64"],
+    )
+    assert build_layout(config, platform="cuda", device_kind="NVIDIA H200").grouped_matmul.name == "mosaic_gpu"
+    lines = lower_train_step(config, "cuda").as_text().splitlines()
+    kernel_calls = [line for line in lines if "xla.gpu.triton" in line and "fp8_blockwise_grouped_gemm" in line]
+    fp8_ragged = [line for line in lines if "ragged_dot" in line and "xf8E4M3FN>" in line]
+    # one MoE layer: gate+up and down, forward and dx; their weight gradients
+    assert len(kernel_calls) == 2 * 2, len(kernel_calls)
+    assert len(fp8_ragged) == 2, len(fp8_ragged)
