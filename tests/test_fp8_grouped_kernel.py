@@ -101,7 +101,8 @@ def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_bloc
 @pytest.mark.skipif(bool(triton_lowers_here()), reason="this jax lowers Pallas Triton kernels only with a GPU")
 def test_blockwise_train_step_runs_the_kernel_for_hopper():
     """On a Hopper target (grouped backend mosaic_gpu) blockwise's grouped forward and dx GEMMs
-    are the Triton kernel, not XLA's fp8 ragged_dot; the weight gradient stays a ragged_dot."""
+    are the Triton kernel, not XLA's fp8 ragged_dot; the weight gradient stays a ragged_dot;
+    the dense projections sum their 128-blocks in a loop."""
     from maxmoe.config import load_config
     from maxmoe.lowering import lower_train_step
     from maxmoe.mesh import build_layout
@@ -119,3 +120,6 @@ def test_blockwise_train_step_runs_the_kernel_for_hopper():
     # one MoE layer: gate+up and down, forward and dx; their weight gradients
     assert len(kernel_calls) == 2 * 2, len(kernel_calls)
     assert len(fp8_ragged) == 2, len(fp8_ragged)
+    # the dense projections' blockwise GEMMs on CUDA: one 128-block at a time, not one batched dot
+    fp8_dots = [line for line in lines if "stablehlo.dot_general" in line and "xf8E4M3FN>" in line]
+    assert fp8_dots and not [line for line in fp8_dots if "batching_dims" in line]

@@ -144,9 +144,18 @@ def operands(m, k, n, seed):
     return x, w, cotangent
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_fp8_matmul_value_and_gradients_within_format_bound(recipe):
-    x, w, ct = operands(136, 160, 48, seed=3)  # partial 128-tiles in every dimension, 32-blocks in K
+def run_cuda_blockwise_program(monkeypatch):
+    """Blockwise's dense GEMMs here as on CUDA: the partial products summed one block at a time."""
+    monkeypatch.setattr(fp8_matmul_module, "_blocks_batched", fp8_matmul_module._blocks_scanned)
+
+
+@pytest.mark.parametrize("recipe,program", [(r, "default") for r in RECIPES] + [("blockwise", "cuda")], ids=str)
+def test_fp8_matmul_value_and_gradients_within_format_bound(recipe, program, monkeypatch):
+    if program == "cuda":
+        run_cuda_blockwise_program(monkeypatch)
+        x, w, ct = operands(300, 400, 48, seed=3)  # 4 blocks of the contraction (dw: 3), the last partial
+    else:
+        x, w, ct = operands(136, 160, 48, seed=3)  # partial 128-tiles in every dimension, 32-blocks in K
 
     def loss(x, w):
         return jnp.sum(fp8_matmul(x, w, recipe) * ct)
@@ -156,6 +165,23 @@ def test_fp8_matmul_value_and_gradients_within_format_bound(recipe):
     assert_within(y, x64 @ w64, gemm_bound(x64, w64, recipe, "forward"), "y")
     assert_within(dx, ct64 @ w64.T, gemm_bound(ct64, w64.T, recipe, "dgrad"), "dx")
     assert_within(dw, x64.T @ ct64, gemm_bound(x64.T, ct64, recipe, "wgrad"), "dw")
+
+
+def test_blockwise_cuda_program_holds_one_partial_product(monkeypatch):
+    """The batched program keeps all K/128 partial products; CUDA's scan one sum and one product."""
+    m, k, n = 2048, 4096, 2048
+    a, b = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+
+    def temp_bytes():
+        forward = jax.jit(lambda a, b: fp8_matmul_module.scaled_dot(a, b, "blockwise", "forward"))
+        return forward.lower(a, b).compile().memory_analysis().temp_size_in_bytes
+
+    product = m * n * 4  # one float32 [M, N]
+    batched = temp_bytes()
+    run_cuda_blockwise_program(monkeypatch)
+    scanned = temp_bytes()
+    assert batched >= (k // 128) * product, batched / product
+    assert scanned <= 8 * product, scanned / product  # measured: 4.0 (sum, product, operands' copies)
 
 
 GROUP_SIZES = np.array([30, 0, 60, 26])  # one empty group; 20 rows past the groups

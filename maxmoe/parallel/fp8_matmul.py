@@ -7,14 +7,16 @@ values with float32 accumulation, and rescales (`maxmoe.parallel.fp8_quant` has 
 | recipe | forward | dx | dw | GEMM program |
 |---|---|---|---|---|
 | tensorwise | e4m3 x e4m3 | e5m2 x e4m3 | e4m3 x e5m2 | one dot of fp8 operands (cuBLASLt on Hopper) |
-| blockwise | e4m3 1x128 x 128x128 | same, w^T's blocks | e4m3 128x1 x 128x1 | one fp8 dot per 128 of the contraction, scaled and summed in f32 |
+| blockwise | e4m3 1x128 x 128x128 | same, w^T's blocks | e4m3 128x1 x 128x1 | one fp8 dot per 128 of the contraction, scaled and summed in f32 (on CUDA one block at a time) |
 | mxfp8 | e4m3 1x32 x 32x1, e8m0 scales | same | same | `jax.nn.scaled_matmul` on CUDA; elsewhere the dequantised values, exact in f32 |
 
 Blockwise is DeepSeek-V3's recipe: a scale per 1x128 activation tile and per 128x128 weight
 block changes along the contraction every 128 elements, so the program multiplies each
 128-wide slice of the contraction separately and adds the scaled partial sums in float32 (the
-"promotion" of DeepSeek-V3's kernels). XLA has no fused kernel for that: it materialises the
-K/128 partial products, which costs memory and bandwidth; the numerics are the recipe's.
+"promotion" of DeepSeek-V3's kernels). XLA has no fused kernel for that. Elsewhere one batched
+dot computes the K/128 partial products at once; on CUDA a scan adds them one at a time into
+an [M, N] float32 sum, so memory stays that of one product (the bandwidth of K/128 passes
+over it stays); the numerics are the recipe's either way.
 MXFP8's scales are powers of two, so a dequantised value is exact in bfloat16 and float32.
 Master weights stay float32 (callers cast), operands arrive in the compute dtype, gradients
 leave in the dtypes of the operands. Inputs are saved for the backward pass unquantised.
@@ -91,8 +93,34 @@ def scaled_dot(a_MK, b_KN, recipe: str, gemm: str):
     pad = blocks * TILE - k
     aq_MBT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE)
     bq_BTN = jnp.pad(bq, ((0, pad), (0, 0))).reshape(blocks, TILE, n)
+    return jax.lax.platform_dependent(aq_MBT, bq_BTN, a_rows, b_cols, cuda=_blocks_scanned, default=_blocks_batched)
+
+
+def _blocks_batched(aq_MBT, bq_BTN, a_rows_MB, b_cols_BN):
+    """sum_b a_rows[:, b] (aq[:, b] @ bq[b]) b_cols[b]: one batched dot, [B, M, N] partials."""
     partial_BMN = jax.lax.dot_general(aq_MBT, bq_BTN, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
-    return jnp.einsum("bmn,mb,bn->mn", partial_BMN, a_rows, b_cols)
+    return jnp.einsum("bmn,mb,bn->mn", partial_BMN, a_rows_MB, b_cols_BN)
+
+
+def _blocks_scanned(aq_MBT, bq_BTN, a_rows_MB, b_cols_BN):
+    """The same sum, one block at a time: an [M, N] float32 sum instead of B partial products
+    (at 671B, an attention output projection's 128 blocks of [4096, 7168] would be 15 GB)."""
+
+    def add_block(acc_MN, inputs):
+        aq_MT, bq_TN, a_rows_M, b_cols_N = inputs
+        partial_MN = jax.lax.dot(aq_MT, bq_TN, preferred_element_type=jnp.float32)
+        return acc_MN + partial_MN * a_rows_M[:, None] * b_cols_N[None, :], None
+
+    return _sum_over_blocks(add_block, (aq_MBT.transpose(1, 0, 2), bq_BTN, a_rows_MB.T, b_cols_BN))
+
+
+def _sum_over_blocks(add_block, blocks_in):
+    """add_block(acc, inputs of one block) folded over the leading axis of every input. The first
+    block starts the sum (a zeros carry would not vary over a shard_map's axes as the blocks
+    do); a scan adds the others."""
+    first, _ = add_block(0.0, jax.tree.map(lambda a: a[0], blocks_in))
+    acc, _ = jax.lax.scan(add_block, first, jax.tree.map(lambda a: a[1:], blocks_in))
+    return acc
 
 
 def _mx_dot(a_MK, b_KN):
@@ -193,12 +221,7 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend:
         partial_MN = jax.lax.ragged_dot(aq_MT, bq_GTN, group_sizes_G, preferred_element_type=jnp.float32)
         return acc_MN + partial_MN * a_scale_M[:, None] * b_cols_GN[groups_M], None
 
-    blocks_in = (aq_BMT, bq_BGTN, a_scale.T, b_cols_GBN.transpose(1, 0, 2))
-    # The first block starts the sum (a zeros carry would not vary over a shard_map's axes as the
-    # blocks do); a scan adds the others.
-    first, _ = add_block(0.0, jax.tree.map(lambda a: a[0], blocks_in))
-    acc, _ = jax.lax.scan(add_block, first, jax.tree.map(lambda a: a[1:], blocks_in))
-    return acc
+    return _sum_over_blocks(add_block, (aq_BMT, bq_BGTN, a_scale.T, b_cols_GBN.transpose(1, 0, 2)))
 
 
 _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
