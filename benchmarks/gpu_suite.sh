@@ -6,7 +6,7 @@
 #   3. FP8 GEMMs (60 s): each model.fp8 recipe against bf16, a 671B dense projection and grouped GEMM
 #   4. proxy_1gpu training step (210 s): tokens/s and MFU per kernel combination, best first (each
 #      variant's row is written as soon as it is measured, so a timeout keeps the finished ones);
-#      model.fp8=tensorwise last
+#      model.fp8=tensorwise and blockwise last (blockwise's expert GEMMs: maxmoe's Triton kernel)
 #   5. remat (90 s): the same step under the other remat policies (the config's save_dots_comm is
 #      part 4's first row; on one GPU nothing is exchanged, so save_comm would equal full)
 #   6. dispatch (150 s, only with 2 or more GPUs): benchmarks/dispatch.py over all of them, forward
@@ -52,7 +52,7 @@ else
   # program before the kernels (XLA ragged_dot, dense attention, whole logits), which may not fit.
   VARIANTS=(--variant "" --variant "model.attention=cudnn" --variant "moe.grouped_matmul=ragged_dot"
             --variant "moe.grouped_matmul=ragged_dot model.attention=xla train.loss_chunk=0"
-            --variant "model.fp8=tensorwise")
+            --variant "model.fp8=tensorwise" --variant "model.fp8=blockwise")
   REMAT=(--variant "model.remat=full" --variant "model.remat=save_moe")
   LIMITS=(90 90 60 210 90 150)
 fi
