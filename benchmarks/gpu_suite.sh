@@ -6,7 +6,7 @@
 #   3. FP8 GEMMs (60 s): each model.fp8 recipe against bf16, a 671B dense projection and grouped GEMM
 #   4. proxy_1gpu training step (210 s): tokens/s and MFU per kernel combination, best first (each
 #      variant's row is written as soon as it is measured, so a timeout keeps the finished ones);
-#      model.fp8=tensorwise and blockwise last (blockwise's expert GEMMs: maxmoe's Triton kernel)
+#      model.fp8=tensorwise and blockwise last (blockwise's expert GEMMs: maxmoe's Triton kernels)
 #   5. remat (90 s): the same step under the other remat policies (the config's save_dots_comm is
 #      part 4's first row; on one GPU nothing is exchanged, so save_comm would equal full)
 #   6. dispatch (150 s, only with 2 or more GPUs): benchmarks/dispatch.py over all of them, forward

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from maxmoe.parallel.attention_kernels import triton_lowers_here
-from maxmoe.parallel.fp8_grouped_kernel import TILE, blockwise_grouped_gemm, tile_schedule
+from maxmoe.parallel.fp8_grouped_kernel import TILE, blockwise_grouped_gemm, fp8_grouped_wgrad, tile_schedule
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 SCHEDULES = [  # (group sizes, rows, block rows)
@@ -89,6 +89,24 @@ def test_kernel_equals_the_float64_sum_of_scaled_blocks(sizes, rows, n):
     assert np.max(np.abs(exact)) > 1.0  # the comparison is not between zeros
 
 
+def test_wgrad_kernel_equals_float64_products_over_each_groups_rows():
+    rng = np.random.default_rng(1)
+    sizes = [70, 0, 129, 60]  # an empty group, 41 rows past the groups
+    d, m, f = 200, 300, 72  # partial tiles in both output dims
+    xq = jnp.asarray(rng.normal(size=(d, m)) * 8, jnp.float8_e4m3fn)
+    dyq = jnp.asarray(rng.normal(size=(f, m)) * 8, jnp.float8_e4m3fn)
+    got = np.asarray(fp8_grouped_wgrad(xq, dyq, jnp.asarray(sizes, jnp.int32), interpret=True), np.float64)
+    x, dy = np.asarray(xq, np.float64), np.asarray(dyq, np.float64)
+    ends = np.cumsum(sizes)
+    for g, (size, end) in enumerate(zip(sizes, ends)):
+        rows = slice(end - size, end)
+        exact = x[:, rows] @ dy[:, rows].T
+        bound = m * 2.0**-24 * (np.abs(x[:, rows]) @ np.abs(dy[:, rows]).T)
+        assert np.all(np.abs(got[g] - exact) <= bound), g
+    np.testing.assert_array_equal(got[1], 0.0)
+    assert np.abs(got).max() > 100.0
+
+
 def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_blocks():
     aq, a_scale, bq, b_scale = fp8_operands(64, TILE, 64, 2, seed=0)
     sizes = jnp.asarray([32, 32], jnp.int32)
@@ -100,9 +118,9 @@ def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_bloc
 
 @pytest.mark.skipif(bool(triton_lowers_here()), reason="this jax lowers Pallas Triton kernels only with a GPU")
 def test_blockwise_train_step_runs_the_kernel_for_hopper():
-    """On a Hopper target (grouped backend mosaic_gpu) blockwise's grouped forward and dx GEMMs
-    are the Triton kernel, not XLA's fp8 ragged_dot; the weight gradient stays a ragged_dot;
-    the dense projections sum their 128-blocks in a loop."""
+    """On a Hopper target (grouped backend mosaic_gpu) blockwise's grouped GEMMs (forward, dx, dw)
+    are the Triton kernels, not XLA's fp8 ragged_dot; the dense projections sum their 128-blocks
+    in a loop."""
     from maxmoe.config import load_config
     from maxmoe.lowering import lower_train_step
     from maxmoe.mesh import build_layout
@@ -115,11 +133,11 @@ def test_blockwise_train_step_runs_the_kernel_for_hopper():
     )
     assert build_layout(config, platform="cuda", device_kind="NVIDIA H200").grouped_matmul.name == "mosaic_gpu"
     lines = lower_train_step(config, "cuda").as_text().splitlines()
-    kernel_calls = [line for line in lines if "xla.gpu.triton" in line and "fp8_blockwise_grouped_gemm" in line]
-    fp8_ragged = [line for line in lines if "ragged_dot" in line and "xf8E4M3FN>" in line]
-    # one MoE layer: gate+up and down, forward and dx; their weight gradients
-    assert len(kernel_calls) == 2 * 2, len(kernel_calls)
-    assert len(fp8_ragged) == 2, len(fp8_ragged)
+    gemm_calls = [line for line in lines if "xla.gpu.triton" in line and "fp8_blockwise_grouped_gemm" in line]
+    wgrad_calls = [line for line in lines if "xla.gpu.triton" in line and "fp8_grouped_wgrad" in line]
+    # one MoE layer: gate+up and down, forward and dx, and their weight gradients; no XLA ragged_dot
+    assert (len(gemm_calls), len(wgrad_calls)) == (2 * 2, 2)
+    assert not [line for line in lines if "ragged_dot" in line]
     # the dense projections' blockwise GEMMs on CUDA: one 128-block at a time, not one batched dot
     fp8_dots = [line for line in lines if "stablehlo.dot_general" in line and "xf8E4M3FN>" in line]
     assert fp8_dots and not [line for line in fp8_dots if "batching_dims" in line]

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's block-scaled FP8 grouped GEMM as one Pallas Triton kernel (NVIDIA GPUs).
+"""DeepSeek-V3's block-scaled FP8 grouped GEMMs as Pallas Triton kernels (NVIDIA GPUs).
 
     out[m, n] = sum_c a_scale[m, c] * b_scale[g(m), c, n] * (aq[m, c-th 128] . bq[g(m), n, c-th 128])
 
@@ -18,6 +18,11 @@ block of BLOCK_M rows: the schedule (`tile_schedule`) lists, group after group, 
 each group touches, so a block that two groups share is visited once per group with the other
 group's rows masked: at most G - 1 extra tiles, no padding of the groups. Rows past
 sum(group_sizes) come out zero. K must be a multiple of 128 (callers pad with zeros).
+
+The weight gradient (`fp8_grouped_wgrad`) contracts over each group's rows: both operands come
+transposed, the rows last, and each (group, row tile of dw, column tile) program adds one fp8
+dot per 128 of the group's rows in float32 (rows of the neighbouring groups masked); the
+recipe's scales there are per (group, column), so they factor out and the caller applies them.
 
 `interpret=True` runs the same kernel through Pallas' interpreter (CPU tests). jax 0.10 lowers it
 for CUDA on a host without a GPU, newer jax only with one; jax 0.12 marks Pallas' Triton
@@ -90,6 +95,24 @@ def _kernel(schedule_ref, aq_ref, a_scale_ref, bq_ref, b_scale_ref, out_ref, *, 
     plgpu.store(out_ref.at[row_slice, col_slice], acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _call(kernel, name, grid, inputs, out_shape, out_dtype, interpret):
+    """pallas_call with every operand whole (the kernels index themselves); inside shard_map the
+    operands vary alike and the output varies as they do."""
+    inputs = vary_alike(*inputs)
+    manual = getattr(jax.typeof(inputs[1]), "manual_axis_type", None)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole(x.shape) for x in inputs],
+        out_specs=whole(out_shape),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype, manual_axis_type=manual),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name=name,
+    )(*inputs)
+
+
 def blockwise_grouped_gemm(
     aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, *, out_dtype=jnp.float32, interpret=False
 ):
@@ -102,21 +125,59 @@ def blockwise_grouped_gemm(
     if k % TILE:
         raise ValueError(f"the contraction ({k}) must be a multiple of {TILE}; pad it with zeros")
     schedule = tile_schedule(group_sizes_G, m)
-    grid = (schedule.shape[0], pl.cdiv(n, BLOCK_N))
-    whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731 - the kernel indexes itself
-    # Inside shard_map the operands vary alike and the output varies as they do.
-    inputs = vary_alike(schedule, aq_MK, a_scale_MC.T, bq_GNK, b_scale_GCN)
-    manual = getattr(jax.typeof(inputs[1]), "manual_axis_type", None)
-    out = pl.pallas_call(
+    out = _call(
         functools.partial(_kernel, block_m=BLOCK_M, block_n=BLOCK_N, blocks=k // TILE),
-        grid=grid,
-        in_specs=[whole(x.shape) for x in inputs],
-        out_specs=whole((m, n)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype, manual_axis_type=manual),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-        interpret=interpret,
-        name="fp8_blockwise_grouped_gemm",
-    )(*inputs)
+        "fp8_blockwise_grouped_gemm",
+        (schedule.shape[0], pl.cdiv(n, BLOCK_N)),
+        (schedule, aq_MK, a_scale_MC.T, bq_GNK, b_scale_GCN),
+        (m, n),
+        out_dtype,
+        interpret,
+    )
     # Rows no tile covers (past the groups) were never written.
     valid = jnp.arange(m) < jnp.sum(group_sizes_G)
     return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))
+
+
+def _wgrad_kernel(offsets_ref, xq_ref, dyq_ref, out_ref, *, block_d, block_f):
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = offsets_ref[g], offsets_ref[g + 1]
+    d_ok = i * block_d + jnp.arange(block_d) < xq_ref.shape[0]
+    f_ok = j * block_f + jnp.arange(block_f) < dyq_ref.shape[0]
+    d_slice, f_slice = pl.ds(i * block_d, block_d), pl.ds(j * block_f, block_f)
+
+    def add_block(c, acc):
+        rows = c * TILE + jnp.arange(TILE)
+        row_ok = (rows >= start) & (rows < end)
+        r_slice = pl.ds(c * TILE, TILE)
+        x = plgpu.load(xq_ref.at[d_slice, r_slice], mask=d_ok[:, None] & row_ok[None, :], other=0.0)
+        dy = plgpu.load(dyq_ref.at[f_slice, r_slice], mask=f_ok[:, None] & row_ok[None, :], other=0.0)
+        return acc + plgpu.dot(x, dy, trans_b=True)  # float32, promoted every 128 rows
+
+    first = start // TILE
+    last = jnp.where(end > start, (end + TILE - 1) // TILE, first)
+    acc = jax.lax.fori_loop(first, last, add_block, jnp.zeros((block_d, block_f), jnp.float32))
+    plgpu.store(out_ref.at[g, d_slice, f_slice], acc, mask=d_ok[:, None] & f_ok[None, :])
+
+
+def fp8_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G, *, interpret=False):
+    """out[g] = xq[:, rows of g] @ dyq[:, rows of g]^T in float32: [G, D, F].
+
+    The weight gradient's GEMM with its contraction (the rows) last in both operands, as fp8
+    tensor cores want it; a group's scales are per (group, column) (`fp8_quant.segment_quantize`),
+    so they factor out and the caller applies them. Empty groups give zeros.
+    """
+    d, m = xq_DM.shape
+    f = dyq_FM.shape[0]
+    g = group_sizes_G.shape[0]
+    ends = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), m)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    return _call(
+        functools.partial(_wgrad_kernel, block_d=BLOCK_M, block_f=BLOCK_N),
+        "fp8_grouped_wgrad",
+        (g, pl.cdiv(d, BLOCK_M), pl.cdiv(f, BLOCK_N)),
+        (offsets, xq_DM, dyq_FM),
+        (g, d, f),
+        jnp.float32,
+        interpret,
+    )

@@ -25,7 +25,7 @@ Grouped GEMM (rows sorted by group, as `maxmoe.parallel.grouped_matmul`): tensor
 blockwise run `jax.lax.ragged_dot` on fp8 operands (on GPU XLA rewrites it into a dense dot of
 G x the FLOPs), except under a GPU kernel backend (`moe.grouped_matmul=mosaic_gpu` or tokamax):
 there tensorwise gives that bf16-only kernel the fp8 values as bf16, exact, and rescales, and
-blockwise's forward and dx run its own Pallas Triton kernel
+blockwise's forward, dx and dw run maxmoe's Pallas Triton kernels
 (`maxmoe.parallel.fp8_grouped_kernel`: fp8 dots with the promotion every 128, no padding of
 the groups) wherever Triton lowers; activation scales are per row (per 128 columns), weight
 scales per group (per block). The weight gradient's contraction runs over each group's rows,
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.parallel.attention_kernels import triton_lowers_here
-from maxmoe.parallel.fp8_grouped_kernel import blockwise_grouped_gemm
+from maxmoe.parallel.fp8_grouped_kernel import blockwise_grouped_gemm, fp8_grouped_wgrad
 from maxmoe.parallel.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
 from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_matmul
 from maxmoe.parallel.varying import vary_alike
@@ -186,6 +186,12 @@ def row_groups(group_sizes_G, rows: int):
     return jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(rows), side="right").astype(jnp.int32)
 
 
+def _blockwise_kernel(backend: str) -> bool:
+    """Whether blockwise's grouped GEMMs run maxmoe.parallel.fp8_grouped_kernel: on a GPU grouped
+    backend, where Triton lowers (not when lowering for CUDA without a GPU under jax >= 0.11)."""
+    return backend in BF16_KERNELS and not triton_lowers_here()
+
+
 def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend: str = "ragged_dot"):
     """Row m of a times b[group of m] in float32, both operands fp8 along K."""
     a_dtype, a_block, b_dtype, b_block = GEMMS[recipe][gemm]
@@ -207,8 +213,7 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend:
     blocks = a_scale.shape[1]
     pad = blocks * TILE - k
     b_cols_GBN = jax.vmap(lambda s: expand_scales(s, (blocks, n), (1, b_block[1])))(b_scale)
-    if backend in BF16_KERNELS and not triton_lowers_here():
-        # On a GPU: the block-scaled kernel, contraction last for both operands.
+    if _blockwise_kernel(backend):  # the block-scaled kernel, contraction last for both operands
         aq_MK = jnp.pad(aq, ((0, 0), (0, pad)))
         bq_GNK = jnp.pad(bq_GKN, ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)
         return blockwise_grouped_gemm(aq_MK, a_scale, bq_GNK, b_cols_GBN, group_sizes_G)
@@ -229,7 +234,7 @@ _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str):
+def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str, backend: str = "ragged_dot"):
     """dw[g] = x[rows of g]^T @ dy[rows of g] in float32, operands fp8 along the rows."""
     g = group_sizes_G.shape[0]
     if recipe == "tensorwise":
@@ -240,7 +245,10 @@ def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str):
     groups_M = row_groups(group_sizes_G, x_MD.shape[0])
     xq, x_scale_GD = segment_quantize(x_MD, groups_M, g)
     dyq, dy_scale_GF = segment_quantize(dy_MF, groups_M, g)
-    out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
+    if _blockwise_kernel(backend):  # the rows (the contraction) last in both operands
+        out = fp8_grouped_wgrad(xq.T, dyq.T, group_sizes_G)
+    else:
+        out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
     return out * x_scale_GD[:, :, None] * dy_scale_GF[:, None, :]
 
 
@@ -291,7 +299,7 @@ def _grouped_bwd(recipe, backend, saved, dy_MF):
         )
     else:
         dx_MD = _grouped_scaled(dy_MF, w_GFD, group_sizes_G, recipe, "dgrad", backend)
-        dw_GDF = _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe)
+        dw_GDF = _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe, backend)
     return dx_MD.astype(x_MD.dtype), dw_GDF.astype(w_GDF.dtype), None
 
 
