@@ -11,8 +11,9 @@ Per recipe (bf16 is the plain matmul / the bf16 grouped GEMM): ms and TFLOP/s on
 FLOPs (2 M K N forward, 3 x that forward+backward), and the ratio to bf16. The FP8 rows run
 `maxmoe.parallel.fp8_matmul` as training does: quantisation of every operand included. The
 grouped rows, bf16 and FP8, run on the grouped backend `moe.grouped_matmul=auto` picks here
-(`--grouped-backend` to name one): on Hopper mosaic_gpu, under which blockwise runs its
-Pallas Triton kernel (maxmoe.parallel.fp8_grouped_kernel); ragged_dot is XLA's program.
+(`--grouped-backend` to name one): on Hopper mosaic_gpu, under which blockwise's GEMMs, dense
+and grouped, run maxmoe's Pallas Triton kernels (maxmoe.parallel.fp8_grouped_kernel) as in
+training; under ragged_dot XLA's program.
 """
 
 import argparse
@@ -36,13 +37,14 @@ def _functions(kind, recipe, backend):
     import jax
     import jax.numpy as jnp
 
-    from maxmoe.parallel.fp8_matmul import fp8_grouped_matmul, fp8_matmul
+    from maxmoe.parallel.fp8_matmul import blockwise_kernels, fp8_grouped_matmul, fp8_matmul
     from maxmoe.parallel.grouped_matmul import grouped_matmul
 
     def forward(a, b, sizes, ct):
         del ct
         if kind == "dense":
-            return a @ b if recipe == "bf16" else fp8_matmul(a, b, recipe)
+            # one device: the dense GEMMs may call blockwise's kernel directly, as training does per shard
+            return a @ b if recipe == "bf16" else fp8_matmul(a, b, recipe, kernel=blockwise_kernels(backend))
         if recipe == "bf16":
             return grouped_matmul(a, b, sizes, backend=backend)
         return fp8_grouped_matmul(a, b, sizes, recipe, backend)

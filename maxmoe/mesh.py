@@ -49,6 +49,8 @@ from maxmoe.config import (
 )
 from maxmoe.parallel.attention_kernels import kernel, sharded_attention
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
+from maxmoe.parallel.fp8_dense import sharded_fp8_projection
+from maxmoe.parallel.fp8_matmul import blockwise_kernels, fp8_matmul
 from maxmoe.parallel.kernel_choice import resolve_kernels
 from maxmoe.parallel.replicas import axes_of, context_sharding
 
@@ -309,6 +311,29 @@ class Layout:
         if self.mesh.size == 1:
             return lambda q, k, v, scale: kernel(name)(q, k, v, scale, interpret=interpret)
         return sharded_attention(name, self.mesh, self.spec(("batch", "seq", "heads", "head_dim")), interpret=interpret)
+
+    def fp8_projection(self, recipe: str, x_axes: Sequence[str | None], w_axes: Sequence[str | None], contract: int):
+        """fn(x [..., K], w [K, N]) running an FP8 projection's GEMMs through maxmoe's kernels on
+        each device's shards (maxmoe.parallel.fp8_dense), or None where XLA's program runs them:
+        a recipe other than blockwise, no GPU grouped kernel (the same switch as the experts'),
+        or a contraction / output merged from dims whose minor ones the rules shard.
+
+        x_axes, w_axes: the logical axes of x [..., K...] and w [K..., N...] before the caller
+        merges their `contract` contraction dims (and w's output dims) into one.
+        """
+        grouped = self.grouped_matmul.name if self.grouped_matmul is not None else ""
+        if recipe != "blockwise" or not blockwise_kernels(grouped):
+            return None
+        if self.mesh.size == 1:
+            return lambda x, w: fp8_matmul(x, w, recipe, kernel=True)
+        x_spec = tuple(self.spec(x_axes)) + (None,) * len(x_axes)
+        w_spec = tuple(self.spec(w_axes)) + (None,) * len(w_axes)
+        lead = len(x_axes) - contract
+        if any(x_spec[lead + 1 : len(x_axes)]) or any(w_spec[1:contract]) or any(w_spec[contract + 1 : len(w_axes)]):
+            return None
+        n_entry = w_spec[contract] if len(w_axes) > contract else None
+        x_2d, w_2d = PartitionSpec(*x_spec[: lead + 1]), PartitionSpec(w_spec[0], n_entry)
+        return sharded_fp8_projection(self.mesh, x_2d, w_2d, recipe)
 
     @property
     def stages(self) -> int:

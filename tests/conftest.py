@@ -33,3 +33,66 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def interpreted_fp8_kernels(monkeypatch) -> list:
+    """Blockwise FP8 as on a GPU target, here: maxmoe's Triton kernels (maxmoe.parallel.fp8_matmul's
+    references to them) run in Pallas interpret mode and count as available. Returns the list
+    of the kernels' names in call order."""
+    from maxmoe.parallel import fp8_matmul
+    from maxmoe.parallel.fp8_grouped_kernel import blockwise_grouped_gemm, fp8_grouped_wgrad
+
+    calls = []
+
+    def interpreted(kernel):
+        def run(*args, **kwargs):
+            calls.append(kernel.__name__)
+            return kernel(*args, **kwargs, interpret=True)
+
+        return run
+
+    for kernel in (blockwise_grouped_gemm, fp8_grouped_wgrad):
+        monkeypatch.setattr(fp8_matmul, kernel.__name__, interpreted(kernel))
+    monkeypatch.setattr(fp8_matmul, "triton_lowers_here", lambda: "")
+    return calls
+
+
+@pytest.fixture
+def fp8_kernel_contracts(monkeypatch) -> list:
+    """Blockwise FP8 as on a GPU target, inside shard_map: maxmoe's two Triton kernels replaced
+    by plain jnp programs of their contracts (Pallas' interpreter cannot run under shard_map's
+    type check: it slices varying operands with unvarying indices, jax 0.10-0.12). Returns the
+    list of the kernels' names in call order."""
+    import jax.numpy as jnp
+
+    from maxmoe.parallel import fp8_matmul
+    from maxmoe.parallel.fp8_grouped_kernel import TILE
+
+    calls = []
+
+    def blockwise_grouped_gemm(aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, out_dtype=jnp.float32):
+        calls.append("blockwise_grouped_gemm")
+        m, k = aq_MK.shape
+        g, n, _ = bq_GNK.shape
+        rows = jnp.arange(m)
+        group_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes_G), rows, side="right"), g - 1)
+        a_MCT = aq_MK.astype(jnp.float32).reshape(m, k // TILE, TILE)
+        b_GNCT = bq_GNK.astype(jnp.float32).reshape(g, n, k // TILE, TILE)
+        partial_MCN = jnp.einsum("mct,gnct,mg->mcn", a_MCT, b_GNCT, jax.nn.one_hot(group_M, g))
+        out = jnp.einsum("mcn,mc,mcn->mn", partial_MCN, a_scale_MC, b_scale_GCN[group_M])
+        return jnp.where((rows < jnp.sum(group_sizes_G))[:, None], out, 0.0).astype(out_dtype)
+
+    def fp8_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G):
+        calls.append("fp8_grouped_wgrad")
+        ends = jnp.cumsum(group_sizes_G)
+        rows = jnp.arange(xq_DM.shape[1])
+        in_group_GM = (rows >= ends[:, None] - group_sizes_G[:, None]) & (rows < ends[:, None])
+        return jnp.einsum("dm,fm,gm->gdf", xq_DM.astype(jnp.float32), dyq_FM.astype(jnp.float32), in_group_GM)
+
+    import jax
+
+    monkeypatch.setattr(fp8_matmul, "blockwise_grouped_gemm", blockwise_grouped_gemm)
+    monkeypatch.setattr(fp8_matmul, "fp8_grouped_wgrad", fp8_grouped_wgrad)
+    monkeypatch.setattr(fp8_matmul, "triton_lowers_here", lambda: "")
+    return calls

@@ -117,10 +117,11 @@ def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_bloc
 
 
 @pytest.mark.skipif(bool(triton_lowers_here()), reason="this jax lowers Pallas Triton kernels only with a GPU")
-def test_blockwise_train_step_runs_the_kernel_for_hopper():
-    """On a Hopper target (grouped backend mosaic_gpu) blockwise's grouped GEMMs (forward, dx, dw)
-    are the Triton kernels, not XLA's fp8 ragged_dot; the dense projections sum their 128-blocks
-    in a loop."""
+def test_blockwise_train_step_runs_only_the_kernels_for_hopper():
+    """On a Hopper target (grouped backend mosaic_gpu) every blockwise GEMM is one of maxmoe's
+    Triton kernels: the experts' (forward, dx, dw) and the dense projections' on each device's
+    shards (data x expert x tensor: column- and row-parallel projections); XLA has no fp8 dot
+    and no ragged_dot left."""
     from maxmoe.config import load_config
     from maxmoe.lowering import lower_train_step
     from maxmoe.mesh import build_layout
@@ -129,15 +130,16 @@ def test_blockwise_train_step_runs_the_kernel_for_hopper():
         [TINY],
         ["model.num_layers=1", "model.first_k_dense=0", "model.mtp_num_layers=0", "data.source=synthetic"]
         + ["train.batch_size=8", "train.seq_len=32", "model.fp8=blockwise", "model.compute_dtype=bfloat16"]
-        + ["mesh.data=2", "mesh.expert=4", "model.hidden_size=128", "model.moe_mlp_dim=64"],
+        + ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "model.hidden_size=128", "model.moe_mlp_dim=64"],
     )
     assert build_layout(config, platform="cuda", device_kind="NVIDIA H200").grouped_matmul.name == "mosaic_gpu"
     lines = lower_train_step(config, "cuda").as_text().splitlines()
-    gemm_calls = [line for line in lines if "xla.gpu.triton" in line and "fp8_blockwise_grouped_gemm" in line]
-    wgrad_calls = [line for line in lines if "xla.gpu.triton" in line and "fp8_grouped_wgrad" in line]
-    # one MoE layer: gate+up and down, forward and dx, and their weight gradients; no XLA ragged_dot
-    assert (len(gemm_calls), len(wgrad_calls)) == (2 * 2, 2)
-    assert not [line for line in lines if "ragged_dot" in line]
-    # the dense projections' blockwise GEMMs on CUDA: one 128-block at a time, not one batched dot
-    fp8_dots = [line for line in lines if "stablehlo.dot_general" in line and "xf8E4M3FN>" in line]
-    assert fp8_dots and not [line for line in fp8_dots if "batching_dims" in line]
+    kernels = [line for line in lines if "xla.gpu.triton" in line]
+    gemm_calls = [line for line in kernels if "fp8_blockwise_grouped_gemm" in line]
+    wgrad_calls = [line for line in kernels if "fp8_grouped_wgrad" in line]
+    # MLA's 7 projections and the shared expert's 3: forward, dx, dw; the experts' gate+up and
+    # down: forward and dx by one kernel, dw by the other
+    assert (len(gemm_calls), len(wgrad_calls)) == (3 * (7 + 3) + 2 * 2, 2)
+    xla_ops = [line for line in lines if "xla.gpu.triton" not in line]
+    assert not [line for line in xla_ops if "ragged_dot" in line]
+    assert not [line for line in xla_ops if "stablehlo.dot_general" in line and "f8E" in line]

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from maxmoe.parallel import fp8_matmul as fp8_matmul_module
-from maxmoe.parallel.fp8_grouped_kernel import blockwise_grouped_gemm, fp8_grouped_wgrad
 from maxmoe.parallel.fp8_matmul import RECIPES, fp8_grouped_matmul, fp8_matmul
 from maxmoe.parallel.fp8_quant import E4M3, E5M2, quantize, segment_quantize
 
@@ -187,30 +186,12 @@ def test_blockwise_cuda_program_holds_one_partial_product(monkeypatch):
 GROUP_SIZES = np.array([30, 0, 60, 26])  # one empty group; 20 rows past the groups
 
 
-def interpreted_kernels(monkeypatch):
-    """fp8_matmul's GPU path for blockwise with the Triton kernels in Pallas interpret mode; the
-    list it returns names the kernels called."""
-    calls = []
-
-    def interpreted(kernel):
-        def run(*args, **kwargs):
-            calls.append(kernel.__name__)
-            return kernel(*args, **kwargs, interpret=True)
-
-        return run
-
-    for kernel in (blockwise_grouped_gemm, fp8_grouped_wgrad):
-        monkeypatch.setattr(fp8_matmul_module, kernel.__name__, interpreted(kernel))
-    monkeypatch.setattr(fp8_matmul_module, "triton_lowers_here", lambda: "")
-    return calls
-
-
 @pytest.mark.parametrize(
     "recipe,backend", [(r, "ragged_dot") for r in RECIPES] + [("blockwise", "mosaic_gpu")], ids=str
 )
-def test_fp8_grouped_matmul_value_and_gradients_within_format_bound(recipe, backend, monkeypatch):
+def test_fp8_grouped_matmul_value_and_gradients_within_format_bound(recipe, backend, request):
     # backend mosaic_gpu (a GPU target): blockwise's three GEMMs run the Triton kernels
-    calls = interpreted_kernels(monkeypatch) if backend == "mosaic_gpu" else []
+    calls = request.getfixturevalue("interpreted_fp8_kernels") if backend == "mosaic_gpu" else []
     x, _, ct = operands(136, 160, 48, seed=4)
     w = (np.random.default_rng(5).normal(size=(4, 160, 48)) * 0.05).astype(np.float32)
     sizes = jnp.asarray(GROUP_SIZES, jnp.int32)

@@ -54,33 +54,32 @@ class MLA(nn.Module):
         def param(name, shape, axes):
             return logical_param(self, name, shape, axes, std=std).astype(dt)
 
-        def proj(x, w, equation):
-            # model.fp8: the projections run through FP8 GEMMs; the attention core does not.
-            return jnp.einsum(equation, x, w) if c.fp8 == "none" else project(x, w, c.fp8)
+        def proj(x, x_axes, name, shape, w_axes, equation=None):
+            """x [B, T, K...] times parameter `name` [K..., N...]: `equation` (or x @ w) for
+            model.fp8=none, else the recipe's FP8 GEMMs; the attention core stays out of FP8."""
+            w = param(name, shape, w_axes)
+            if c.fp8 == "none":
+                return x @ w if equation is None else jnp.einsum(equation, x, w)
+            return project(x, w, c.fp8, self.layout, (x_axes, w_axes), contract=len(x_axes) - 2)
 
+        btd, up = ("batch", "seq", "embed"), "btl,lhk->bthk"
         x = x_BTD.astype(dt)
         if c.q_lora_rank:
-            q_latent = project(x, param("w_q_down", (d, c.q_lora_rank), ("embed", "q_lora")), c.fp8)
+            q_latent = proj(x, btd, "w_q_down", (d, c.q_lora_rank), ("embed", "q_lora"))
             q_latent = RMSNorm(c.rms_norm_eps, "q_lora", name="q_norm")(q_latent)
-            q_BTHK = proj(
-                q_latent,
-                param("w_q_up", (c.q_lora_rank, h, nope + rope), ("q_lora", "heads", "head_dim")),
-                "btl,lhk->bthk",
-            )
+            q_shape, q_axes = (c.q_lora_rank, h, nope + rope), ("q_lora", "heads", "head_dim")
+            q_BTHK = proj(q_latent, ("batch", "seq", "q_lora"), "w_q_up", q_shape, q_axes, up)
         else:
-            q_BTHK = proj(x, param("w_q", (d, h, nope + rope), ("embed", "heads", "head_dim")), "btd,dhk->bthk")
+            q_BTHK = proj(x, btd, "w_q", (d, h, nope + rope), ("embed", "heads", "head_dim"), "btd,dhk->bthk")
         q_BTHK = constrain(self.layout, q_BTHK, ("batch", "seq", "heads", "head_dim"))
         q_nope, q_rope = q_BTHK[..., :nope], q_BTHK[..., nope:]
 
-        kv_latent = project(x, param("w_kv_down", (d, c.kv_lora_rank), ("embed", "kv_lora")), c.fp8)
+        kv_latent = proj(x, btd, "w_kv_down", (d, c.kv_lora_rank), ("embed", "kv_lora"))
         kv_latent = RMSNorm(c.rms_norm_eps, "kv_lora", name="kv_norm")(kv_latent)
-        k_rope_BT1R = project(x, param("w_k_rope", (d, rope), ("embed", "head_dim")), c.fp8)[:, :, None, :]
-        k_nope = proj(
-            kv_latent, param("w_k_up", (c.kv_lora_rank, h, nope), ("kv_lora", "heads", "head_dim")), "btl,lhk->bthk"
-        )
-        v_BSHK = proj(
-            kv_latent, param("w_v_up", (c.kv_lora_rank, h, v), ("kv_lora", "heads", "head_dim")), "btl,lhk->bthk"
-        )
+        k_rope_BT1R = proj(x, btd, "w_k_rope", (d, rope), ("embed", "head_dim"))[:, :, None, :]
+        latent_axes, up_axes = ("batch", "seq", "kv_lora"), ("kv_lora", "heads", "head_dim")
+        k_nope = proj(kv_latent, latent_axes, "w_k_up", (c.kv_lora_rank, h, nope), up_axes, up)
+        v_BSHK = proj(kv_latent, latent_axes, "w_v_up", (c.kv_lora_rank, h, v), up_axes, up)
 
         q_rope = apply_rope(q_rope, positions_BT, c)
         k_rope_BT1R = apply_rope(k_rope_BT1R, positions_BT, c)
@@ -89,7 +88,5 @@ class MLA(nn.Module):
         k = constrain(self.layout, k, ("batch", "seq", "heads", "head_dim"))
         out_BTHK = attention_core(c, self.layout)(q, k, v_BSHK, attention_scale(c))
         out_BTHK = constrain(self.layout, out_BTHK, ("batch", "seq", "heads", "head_dim"))
-        w_out_HKD = param("w_out", (h, v, d), ("heads", "head_dim", "embed"))
-        if c.fp8 == "none":
-            return jnp.einsum("bthk,hkd->btd", out_BTHK, w_out_HKD)
-        return project(out_BTHK.reshape(*out_BTHK.shape[:2], h * v), w_out_HKD.reshape(h * v, d), c.fp8)
+        out_axes = ("batch", "seq", "heads", "head_dim")
+        return proj(out_BTHK, out_axes, "w_out", (h, v, d), ("heads", "head_dim", "embed"), "bthk,hkd->btd")

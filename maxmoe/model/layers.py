@@ -7,6 +7,7 @@ through `project`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,13 +36,29 @@ def constrain(layout: Any, x: jax.Array, axes: Sequence[str | None]) -> jax.Arra
     return x if layout is None else layout.constrain(x, tuple(axes))
 
 
-def project(x: jax.Array, w: jax.Array, fp8: str = "none") -> jax.Array:
-    """x [..., K] @ w [K, ...]: the plain matmul for fp8="none", else every GEMM of forward and
-    backward in that FP8 recipe (maxmoe.parallel.fp8_matmul) with w seen as [K, rest]."""
+def project(
+    x: jax.Array,
+    w: jax.Array,
+    fp8: str = "none",
+    layout: Any = None,
+    axes: tuple[Sequence[str | None], Sequence[str | None]] | None = None,
+    contract: int = 1,
+) -> jax.Array:
+    """x [..., K...] @ w [K..., N...] over x's last `contract` dims and w's first.
+
+    fp8="none": the plain matmul (contract 1). Else every GEMM of forward and backward in that
+    FP8 recipe (maxmoe.parallel.fp8_matmul) with x seen as [..., K] and w as [K, N]; given the
+    logical axes of x and w, `axes`, the layout may run the recipe's kernels on each device's
+    shards (`Layout.fp8_projection`).
+    """
     if fp8 == "none":
         return x @ w
-    out = fp8_matmul(x, w.reshape(w.shape[0], -1), fp8)
-    return out.reshape(*x.shape[:-1], *w.shape[1:])
+    lead = x.shape[:-contract]
+    k = math.prod(x.shape[len(lead) :])
+    x_K, w_KN = x.reshape(*lead, k), w.reshape(k, -1)
+    fn = None if layout is None or axes is None else layout.fp8_projection(fp8, *axes, contract)
+    out = fn(x_K, w_KN) if fn is not None else fp8_matmul(x_K, w_KN, fp8)
+    return out.reshape(*lead, *w.shape[contract:])
 
 
 class RMSNorm(nn.Module):
@@ -94,6 +111,8 @@ class SwiGLU(nn.Module):
         w_up_DF = logical_param(self, "w_up", (d, f), ("embed", "mlp"), std=self.std).astype(self.dtype)
         w_down_FD = logical_param(self, "w_down", (f, d), ("mlp", "embed"), std=self.std).astype(self.dtype)
         x = x_BTD.astype(self.dtype)
-        h_BTF = nn.silu(project(x, w_gate_DF, self.fp8)) * project(x, w_up_DF, self.fp8)
+        up_axes = (("batch", "seq", "embed"), ("embed", "mlp"))
+        gate = project(x, w_gate_DF, self.fp8, self.layout, up_axes)
+        h_BTF = nn.silu(gate) * project(x, w_up_DF, self.fp8, self.layout, up_axes)
         h_BTF = constrain(self.layout, h_BTF, ("batch", "seq", "mlp"))
-        return project(h_BTF, w_down_FD, self.fp8)
+        return project(h_BTF, w_down_FD, self.fp8, self.layout, (("batch", "seq", "mlp"), ("mlp", "embed")))

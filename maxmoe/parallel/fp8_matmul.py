@@ -75,8 +75,12 @@ GEMMS = {
 }
 
 
-def scaled_dot(a_MK, b_KN, recipe: str, gemm: str):
-    """a @ b in float32 through `recipe`'s fp8 `gemm` ('forward', 'dgrad' or 'wgrad')."""
+def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernel: bool = False):
+    """a @ b in float32 through `recipe`'s fp8 `gemm` ('forward', 'dgrad' or 'wgrad').
+
+    kernel: blockwise through maxmoe.parallel.fp8_grouped_kernel (one group): on one device's
+    shard only (maxmoe.parallel.fp8_dense), where XLA need not partition the kernel call.
+    """
     if recipe == "mxfp8":
         return _mx_dot(a_MK, b_KN)
     a_dtype, a_block, b_dtype, b_block = GEMMS[recipe][gemm]
@@ -91,6 +95,10 @@ def scaled_dot(a_MK, b_KN, recipe: str, gemm: str):
         return out * a_rows * b_cols
     blocks = a_scale.shape[1]
     pad = blocks * TILE - k
+    if kernel:
+        aq_MK = jnp.pad(aq, ((0, 0), (0, pad)))
+        bq_1NK = jnp.pad(bq, ((0, pad), (0, 0))).T[None]
+        return blockwise_grouped_gemm(aq_MK, a_rows, bq_1NK, b_cols[None], jnp.full((1,), m, jnp.int32))
     aq_MBT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE)
     bq_BTN = jnp.pad(bq, ((0, pad), (0, 0))).reshape(blocks, TILE, n)
     return jax.lax.platform_dependent(aq_MBT, bq_BTN, a_rows, b_cols, cuda=_blocks_scanned, default=_blocks_batched)
@@ -145,32 +153,33 @@ def _mx_dot(a_MK, b_KN):
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
 
-def fp8_matmul(x, w_KN, recipe: str):
+def fp8_matmul(x, w_KN, recipe: str, kernel: bool = False):
     """x [..., K] @ w [K, N] with every GEMM of forward and backward in fp8 (`recipe` in RECIPES).
 
-    Returns [..., N] in x's dtype; the gradients come back in x's and w's dtypes.
+    Returns [..., N] in x's dtype; the gradients come back in x's and w's dtypes. kernel: the
+    three GEMMs of blockwise through maxmoe's Triton kernel, for a call on one device's shards.
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
     lead = x.shape[:-1]
     x, w_KN = vary_alike(x, w_KN)
-    y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe)
+    y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe, kernel and recipe == "blockwise")
     return y_MN.reshape(*lead, w_KN.shape[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dense(x_MK, w_KN, recipe):
-    return scaled_dot(x_MK, w_KN, recipe, "forward").astype(x_MK.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x_MK, w_KN, recipe, kernel):
+    return scaled_dot(x_MK, w_KN, recipe, "forward", kernel).astype(x_MK.dtype)
 
 
-def _dense_fwd(x_MK, w_KN, recipe):
-    return _dense(x_MK, w_KN, recipe), (x_MK, w_KN)
+def _dense_fwd(x_MK, w_KN, recipe, kernel):
+    return _dense(x_MK, w_KN, recipe, kernel), (x_MK, w_KN)
 
 
-def _dense_bwd(recipe, saved, dy_MN):
+def _dense_bwd(recipe, kernel, saved, dy_MN):
     x_MK, w_KN = saved
-    dx_MK = scaled_dot(dy_MN, w_KN.T, recipe, "dgrad")
-    dw_KN = scaled_dot(x_MK.T, dy_MN, recipe, "wgrad")
+    dx_MK = scaled_dot(dy_MN, w_KN.T, recipe, "dgrad", kernel)
+    dw_KN = scaled_dot(x_MK.T, dy_MN, recipe, "wgrad", kernel)
     return dx_MK.astype(x_MK.dtype), dw_KN.astype(w_KN.dtype)
 
 
@@ -186,7 +195,7 @@ def row_groups(group_sizes_G, rows: int):
     return jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(rows), side="right").astype(jnp.int32)
 
 
-def _blockwise_kernel(backend: str) -> bool:
+def blockwise_kernels(backend: str) -> bool:
     """Whether blockwise's grouped GEMMs run maxmoe.parallel.fp8_grouped_kernel: on a GPU grouped
     backend, where Triton lowers (not when lowering for CUDA without a GPU under jax >= 0.11)."""
     return backend in BF16_KERNELS and not triton_lowers_here()
@@ -213,7 +222,7 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend:
     blocks = a_scale.shape[1]
     pad = blocks * TILE - k
     b_cols_GBN = jax.vmap(lambda s: expand_scales(s, (blocks, n), (1, b_block[1])))(b_scale)
-    if _blockwise_kernel(backend):  # the block-scaled kernel, contraction last for both operands
+    if blockwise_kernels(backend):  # the block-scaled kernel, contraction last for both operands
         aq_MK = jnp.pad(aq, ((0, 0), (0, pad)))
         bq_GNK = jnp.pad(bq_GKN, ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)
         return blockwise_grouped_gemm(aq_MK, a_scale, bq_GNK, b_cols_GBN, group_sizes_G)
@@ -245,7 +254,7 @@ def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str, backend: str = "ragg
     groups_M = row_groups(group_sizes_G, x_MD.shape[0])
     xq, x_scale_GD = segment_quantize(x_MD, groups_M, g)
     dyq, dy_scale_GF = segment_quantize(dy_MF, groups_M, g)
-    if _blockwise_kernel(backend):  # the rows (the contraction) last in both operands
+    if blockwise_kernels(backend):  # the rows (the contraction) last in both operands
         out = fp8_grouped_wgrad(xq.T, dyq.T, group_sizes_G)
     else:
         out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
