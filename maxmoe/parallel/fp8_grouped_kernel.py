@@ -36,8 +36,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from maxmoe.parallel.varying import vary_alike
 
@@ -46,6 +44,15 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 4  # (128 x 128 + 128 x 128) fp8 per stage: 128 KiB of shared memory at 4
+
+
+def _pallas():
+    """(pallas, pallas.triton), imported when a kernel is built: importing them costs every
+    maxmoe command about 0.4 s otherwise."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    return pl, plgpu
 
 
 def tile_schedule(group_sizes_G, rows: int, block_m: int = BLOCK_M):
@@ -71,6 +78,7 @@ def tile_schedule(group_sizes_G, rows: int, block_m: int = BLOCK_M):
 
 
 def _kernel(schedule_ref, aq_ref, a_scale_ref, bq_ref, b_scale_ref, out_ref, *, block_m, block_n, blocks):
+    pl, plgpu = _pallas()
     t, j = pl.program_id(0), pl.program_id(1)
     group, block = schedule_ref[t, 0], schedule_ref[t, 1]
     lo, hi = schedule_ref[t, 2], schedule_ref[t, 3]
@@ -98,6 +106,7 @@ def _kernel(schedule_ref, aq_ref, a_scale_ref, bq_ref, b_scale_ref, out_ref, *, 
 def _call(kernel, name, grid, inputs, out_shape, out_dtype, interpret):
     """pallas_call with every operand whole (the kernels index themselves); inside shard_map the
     operands vary alike and the output varies as they do."""
+    pl, plgpu = _pallas()
     inputs = vary_alike(*inputs)
     manual = getattr(jax.typeof(inputs[1]), "manual_axis_type", None)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
@@ -128,7 +137,7 @@ def blockwise_grouped_gemm(
     out = _call(
         functools.partial(_kernel, block_m=BLOCK_M, block_n=BLOCK_N, blocks=k // TILE),
         "fp8_blockwise_grouped_gemm",
-        (schedule.shape[0], pl.cdiv(n, BLOCK_N)),
+        (schedule.shape[0], -(-n // BLOCK_N)),
         (schedule, aq_MK, a_scale_MC.T, bq_GNK, b_scale_GCN),
         (m, n),
         out_dtype,
@@ -140,6 +149,7 @@ def blockwise_grouped_gemm(
 
 
 def _wgrad_kernel(offsets_ref, xq_ref, dyq_ref, out_ref, *, block_d, block_f):
+    pl, plgpu = _pallas()
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = offsets_ref[g], offsets_ref[g + 1]
     d_ok = i * block_d + jnp.arange(block_d) < xq_ref.shape[0]
@@ -175,7 +185,7 @@ def fp8_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G, *, interpret=False):
     return _call(
         functools.partial(_wgrad_kernel, block_d=BLOCK_M, block_f=BLOCK_N),
         "fp8_grouped_wgrad",
-        (g, pl.cdiv(d, BLOCK_M), pl.cdiv(f, BLOCK_N)),
+        (g, -(-d // BLOCK_M), -(-f // BLOCK_N)),
         (offsets, xq_DM, dyq_FM),
         (g, d, f),
         jnp.float32,
