@@ -19,6 +19,9 @@ kernels; without it no maintained grouped GEMM ships with jax, so XLA's ragged_d
 dense rewrite: G x the FLOPs) stays, and the reason says so. A CUDA target of unknown
 device kind counts as Hopper (the GPUs this project is measured on; pass a device kind to
 be exact). Kernels that need bf16 fall back when the model computes in float32.
+With `model.fp8=blockwise` the grouped choice also decides the FP8 GEMMs: under mosaic_gpu or
+tokamax every blockwise GEMM runs maxmoe's Triton kernels (maxmoe.parallel.fp8_grouped_kernel),
+under ragged_dot XLA's program.
 """
 
 from __future__ import annotations
