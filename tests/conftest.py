@@ -64,6 +64,7 @@ def fp8_kernel_contracts(monkeypatch) -> list:
     by plain jnp programs of their contracts (Pallas' interpreter cannot run under shard_map's
     type check: it slices varying operands with unvarying indices, jax 0.10-0.12). Returns the
     list of the kernels' names in call order."""
+    import jax
     import jax.numpy as jnp
 
     from maxmoe.parallel import fp8_matmul
@@ -89,8 +90,6 @@ def fp8_kernel_contracts(monkeypatch) -> list:
         rows = jnp.arange(xq_DM.shape[1])
         in_group_GM = (rows >= ends[:, None] - group_sizes_G[:, None]) & (rows < ends[:, None])
         return jnp.einsum("dm,fm,gm->gdf", xq_DM.astype(jnp.float32), dyq_FM.astype(jnp.float32), in_group_GM)
-
-    import jax
 
     monkeypatch.setattr(fp8_matmul, "blockwise_grouped_gemm", blockwise_grouped_gemm)
     monkeypatch.setattr(fp8_matmul, "fp8_grouped_wgrad", fp8_grouped_wgrad)

@@ -99,12 +99,15 @@ def test_blockwise_kernels_on_shards_give_xlas_loss_and_gradients(fp8_kernel_con
     # the layer scan trace some of them more than once).
     assert calls.count("blockwise_grouped_gemm") >= 3 * (7 + 3) + 2 * 2, calls
     assert calls.count("fp8_grouped_wgrad") >= 2, calls
+    # The forward pass: the same fp8 products summed in another order (measured: equal losses).
     np.testing.assert_allclose(kernel_loss, xla_loss, rtol=1e-6)
-    # The sums reduce in another order (within a device and across devices), and a last-bit
-    # difference now and then rounds one fp8 operand element the other way (1/16 of it):
-    # measured at most 2.0e-3 of a leaf's largest gradient (w_q_down; most leaves below 2e-6).
-    # A sum over an axis too many or too few, or a weight's gradient left on one replica, is
-    # off by the size of the gradient itself.
+    # The sums reduce in another order: the contract program multiplies a block's partial
+    # product by its two scales in another association than XLA's einsum, which shows where a
+    # shard holds two contraction blocks (w_q_up's 512 columns over tensor=2: its dx). The
+    # last-bit difference in that dx moves an fp8 scale of the next quantisation (the q path's
+    # gradients): measured at most 2.0e-3 of a leaf's largest gradient (w_q_down; q_norm 3e-4;
+    # every other leaf below 1.2e-5). A sum over an axis too many or too few, or a weight's
+    # gradient left on one replica, is off by the size of the gradient itself.
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(kernel_grads), jax.tree.leaves(xla_grads)):
         scale = np.abs(b).max()
         assert scale > 0, jax.tree_util.keystr(path)

@@ -116,6 +116,7 @@ def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_bloc
         blockwise_grouped_gemm(aq[:, :96], a_scale, bq[:, :, :96], b_scale, sizes, interpret=True)
 
 
+# jax 0.10 (the suite's main run) lowers Triton on a CPU host; jax >= 0.11 needs a GPU for it.
 @pytest.mark.skipif(bool(triton_lowers_here()), reason="this jax lowers Pallas Triton kernels only with a GPU")
 def test_blockwise_train_step_runs_only_the_kernels_for_hopper():
     """On a Hopper target (grouped backend mosaic_gpu) every blockwise GEMM is one of maxmoe's
