@@ -118,11 +118,21 @@ def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_bloc
 
 # jax 0.10 (the suite's main run) lowers Triton on a CPU host; jax >= 0.11 needs a GPU for it.
 @pytest.mark.skipif(bool(triton_lowers_here()), reason="this jax lowers Pallas Triton kernels only with a GPU")
-def test_blockwise_train_step_runs_only_the_kernels_for_hopper():
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"],
+        # two scale-up domains of 4 (replica=2 x expert=2 x tensor=2), ZeRO-1 across them
+        ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=true", "mesh.scale_up_domain=4"]
+        + ["mesh.across_domains=zero1"],
+    ],
+    ids=["one-domain", "two-tier"],
+)
+def test_blockwise_train_step_runs_only_the_kernels_for_hopper(mesh):
     """On a Hopper target (grouped backend mosaic_gpu) every blockwise GEMM is one of maxmoe's
     Triton kernels: the experts' (forward, dx, dw) and the dense projections' on each device's
-    shards (data x expert x tensor: column- and row-parallel projections); XLA has no fp8 dot
-    and no ragged_dot left."""
+    shards (data x expert x tensor: column- and row-parallel projections; also with the data
+    axis split into replicas across scale-up domains); XLA has no fp8 dot and no ragged_dot left."""
     from maxmoe.config import load_config
     from maxmoe.lowering import lower_train_step
     from maxmoe.mesh import build_layout
@@ -131,9 +141,12 @@ def test_blockwise_train_step_runs_only_the_kernels_for_hopper():
         [TINY],
         ["model.num_layers=1", "model.first_k_dense=0", "model.mtp_num_layers=0", "data.source=synthetic"]
         + ["train.batch_size=8", "train.seq_len=32", "model.fp8=blockwise", "model.compute_dtype=bfloat16"]
-        + ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "model.hidden_size=128", "model.moe_mlp_dim=64"],
+        + ["model.hidden_size=128", "model.moe_mlp_dim=64"]
+        + mesh,
     )
-    assert build_layout(config, platform="cuda", device_kind="NVIDIA H200").grouped_matmul.name == "mosaic_gpu"
+    layout = build_layout(config, platform="cuda", device_kind="NVIDIA H200")
+    assert layout.grouped_matmul.name == "mosaic_gpu"
+    assert layout.replicas == (2 if "mesh.across_domains=zero1" in mesh else 1)
     lines = lower_train_step(config, "cuda").as_text().splitlines()
     kernels = [line for line in lines if "xla.gpu.triton" in line]
     gemm_calls = [line for line in kernels if "fp8_blockwise_grouped_gemm" in line]
