@@ -44,7 +44,7 @@ def _functions(kind, recipe, backend):
         del ct
         if kind == "dense":
             # one device: the dense GEMMs may call blockwise's kernel directly, as training does per shard
-            return a @ b if recipe == "bf16" else fp8_matmul(a, b, recipe, kernel=blockwise_kernels(backend))
+            return a @ b if recipe == "bf16" else fp8_matmul(a, b, recipe, blockwise_kernels(backend))
         if recipe == "bf16":
             return grouped_matmul(a, b, sizes, backend=backend)
         return fp8_grouped_matmul(a, b, sizes, recipe, backend)

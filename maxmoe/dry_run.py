@@ -57,7 +57,10 @@ routing, (P-1)/P of the n x K token copies -- written into the same [M, D] outpu
 With it the grouped GEMM, where it would be XLA's ragged_dot, is a batched GEMM over equal
 blocks of the buffer (maxmoe.parallel.grouped_matmul's balanced stand-in): XLA:CPU expands
 ragged_dot's gradients into masked [G, M, D] copies of the rows (G local experts: 32 x the
-buffer at 32 experts per device), which no GPU kernel holds.
+buffer at 32 experts per device), which no GPU kernel holds. With `model.fp8` the FP8 GEMMs
+follow, as on a kernel backend: blockwise's on the stand-ins of its kernels
+(maxmoe.parallel.fp8_grouped_kernel; the dense projections' too), the other recipes' fp8
+values through the bf16 stand-in, weight gradients included.
 `--a2a emulate` compiles the emulation as the CPU runs it, reports its all-to-all bytes as
 `emulated_all_to_all`, replaces them by the analytic native figure and marks the memory as
 an upper bound. Either way `native_a2a_bytes` is the analytic figure: n x K x D x bytes x
@@ -81,6 +84,7 @@ from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
 from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN
+from maxmoe.parallel.kernel_choice import Choice
 from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
 from maxmoe.training.stage_state import slot_layout
@@ -219,19 +223,32 @@ def bubble_baseline(config: Config) -> Config:
     )
 
 
-def _compile_step(shaped: Config, devices: list, a2a: str):
-    """(compiled step, layout, the config's dispatch plan, whether it is ragged, lower s, compile s)."""
-    start = time.perf_counter()
+def dry_run_layout(shaped: Config, devices: list, a2a: str = "proxy"):
+    """(layout the dry run compiles with, the config's dispatch plan, whether it is ragged).
+
+    With `a2a` "proxy" and a ragged all-to-all, the GPU-shaped program: native-shaped
+    all-to-alls, and the GPU kernels' grouped-GEMM buffers instead of XLA:CPU's ragged_dot
+    expansion ([G, M, D] masked copies), model.fp8's GEMMs included.
+    """
     layout = build_layout(shaped, devices, platform="cpu")
     plan = layout.dispatch_plan
     ragged = plan is not None and plan.strategy == "ragged_a2a" and plan.expert_ranks > 1
     if ragged and a2a == "proxy":
-        # The GPU-shaped program: native-shaped all-to-alls, and the GPU kernels' grouped-GEMM
-        # buffers instead of XLA:CPU's ragged_dot expansion ([G, M, D] masked copies).
         stand_in = {"a2a_impl": "balanced_stand_in"}
         if plan.grouped_matmul == "ragged_dot":
             stand_in["grouped_matmul"] = BALANCED_STAND_IN
+            # The layout's choice too: model.fp8's GEMMs then run as on a kernel backend
+            # (maxmoe.parallel.fp8_matmul.blockwise_kernels), the dense projections' included.
+            kernel = Choice(BALANCED_STAND_IN, "dry run: the GPU kernels' buffers and FLOPs")
+            layout = dataclasses.replace(layout, grouped_matmul=kernel)
         layout = dataclasses.replace(layout, dispatch_plan=dataclasses.replace(plan, **stand_in))
+    return layout, plan, ragged
+
+
+def _compile_step(shaped: Config, devices: list, a2a: str):
+    """(compiled step, layout, the config's dispatch plan, whether it is ragged, lower s, compile s)."""
+    start = time.perf_counter()
+    layout, plan, ragged = dry_run_layout(shaped, devices, a2a)
     programs = build_programs(shaped, layout)
     lowered = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(shaped)).lower()
     lower_s = time.perf_counter() - start

@@ -315,17 +315,19 @@ class Layout:
     def fp8_projection(self, recipe: str, x_axes: Sequence[str | None], w_axes: Sequence[str | None], contract: int):
         """fn(x [..., K], w [K, N]) running an FP8 projection's GEMMs through maxmoe's kernels on
         each device's shards (maxmoe.parallel.fp8_dense), or None where XLA's program runs them:
-        a recipe other than blockwise, no GPU grouped kernel (the same switch as the experts'),
+        a recipe other than blockwise, no kernel grouped backend (a GPU's, or the dry run's
+        stand-in: the same switch as the experts'),
         or a contraction / output merged from dims whose minor ones the rules shard.
 
         x_axes, w_axes: the logical axes of x [..., K...] and w [K..., N...] before the caller
         merges their `contract` contraction dims (and w's output dims) into one.
         """
         grouped = self.grouped_matmul.name if self.grouped_matmul is not None else ""
-        if recipe != "blockwise" or not blockwise_kernels(grouped):
+        kernels = blockwise_kernels(grouped)
+        if recipe != "blockwise" or not kernels:
             return None
         if self.mesh.size == 1:
-            return lambda x, w: fp8_matmul(x, w, recipe, kernel=True)
+            return lambda x, w: fp8_matmul(x, w, recipe, kernels)
         x_spec = tuple(self.spec(x_axes)) + (None,) * len(x_axes)
         w_spec = tuple(self.spec(w_axes)) + (None,) * len(w_axes)
         lead = len(x_axes) - contract
@@ -333,7 +335,7 @@ class Layout:
             return None
         n_entry = w_spec[contract] if len(w_axes) > contract else None
         x_2d, w_2d = PartitionSpec(*x_spec[: lead + 1]), PartitionSpec(w_spec[0], n_entry)
-        return sharded_fp8_projection(self.mesh, x_2d, w_2d, recipe)
+        return sharded_fp8_projection(self.mesh, x_2d, w_2d, recipe, kernels)
 
     @property
     def stages(self) -> int:

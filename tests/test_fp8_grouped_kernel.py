@@ -1,6 +1,7 @@
 """The block-scaled FP8 grouped GEMM kernel (maxmoe.parallel.fp8_grouped_kernel): its tile
 schedule against a plain loop, its values (Pallas interpret mode) against a float64 sum of the
-scaled 128-blocks, and the CUDA program of a blockwise train step that runs it."""
+scaled 128-blocks, the dry run's stand-ins against the same sums, and the CUDA program of a
+blockwise train step that runs it."""
 
 from pathlib import Path
 
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 
 from maxmoe.parallel.attention_kernels import triton_lowers_here
-from maxmoe.parallel.fp8_grouped_kernel import TILE, blockwise_grouped_gemm, fp8_grouped_wgrad, tile_schedule
+from maxmoe.parallel.fp8_grouped_kernel import (
+    TILE,
+    balanced_blockwise_gemm,
+    balanced_grouped_wgrad,
+    blockwise_grouped_gemm,
+    fp8_grouped_wgrad,
+    tile_schedule,
+)
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 SCHEDULES = [  # (group sizes, rows, block rows)
@@ -105,6 +113,26 @@ def test_wgrad_kernel_equals_float64_products_over_each_groups_rows():
         assert np.all(np.abs(got[g] - exact) <= bound), g
     np.testing.assert_array_equal(got[1], 0.0)
     assert np.abs(got).max() > 100.0
+
+
+def test_dry_run_stand_ins_equal_the_float64_reference_on_balanced_groups():
+    """The dry run's stand-ins (maxmoe compiles them where the kernels cannot compile, for a
+    CPU) are the kernels' contracts when every group has M/G rows, as they assume."""
+    sizes = [96] * 3
+    aq, a_scale, bq, b_scale = fp8_operands(288, 3 * TILE, 136, 3, seed=7)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = balanced_blockwise_gemm(aq, a_scale, bq, b_scale, group_sizes, out_dtype=jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    got = np.asarray(balanced_blockwise_gemm(aq, a_scale, bq, b_scale, group_sizes), np.float64)
+    exact, magnitude = block_scaled_reference(aq, a_scale, bq, b_scale, sizes)
+    assert np.max(np.abs(got - exact) / (3 * TILE * 2.0**-24 * magnitude + 1e-30)) <= 1.0
+    xq, dyq = aq.T, jnp.asarray(np.random.default_rng(8).normal(size=(72, 288)) * 8, jnp.float8_e4m3fn)
+    dw = np.asarray(balanced_grouped_wgrad(xq, dyq, group_sizes), np.float64)
+    x, dy = np.asarray(xq, np.float64), np.asarray(dyq, np.float64)
+    for g in range(3):
+        rows = slice(96 * g, 96 * (g + 1))
+        exact = x[:, rows] @ dy[:, rows].T
+        assert np.all(np.abs(dw[g] - exact) <= 96 * 2.0**-24 * (np.abs(x[:, rows]) @ np.abs(dy[:, rows]).T)), g
 
 
 def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_blocks():

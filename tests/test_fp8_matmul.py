@@ -12,6 +12,7 @@ import pytest
 from maxmoe.parallel import fp8_matmul as fp8_matmul_module
 from maxmoe.parallel.fp8_matmul import RECIPES, fp8_grouped_matmul, fp8_matmul
 from maxmoe.parallel.fp8_quant import E4M3, E5M2, quantize, segment_quantize
+from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN
 
 NP_DTYPES = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -187,14 +188,18 @@ GROUP_SIZES = np.array([30, 0, 60, 26])  # one empty group; 20 rows past the gro
 
 
 @pytest.mark.parametrize(
-    "recipe,backend", [(r, "ragged_dot") for r in RECIPES] + [("blockwise", "mosaic_gpu")], ids=str
+    "recipe,backend",
+    [(r, "ragged_dot") for r in RECIPES] + [("blockwise", "mosaic_gpu")] + [(r, BALANCED_STAND_IN) for r in RECIPES],
+    ids=str,
 )
 def test_fp8_grouped_matmul_value_and_gradients_within_format_bound(recipe, backend, request):
-    # backend mosaic_gpu (a GPU target): blockwise's three GEMMs run the Triton kernels
+    # backend mosaic_gpu (a GPU target): blockwise's three GEMMs run the Triton kernels; the dry
+    # run's stand-in (a kernel backend: its GEMMs, weight gradients included) on balanced groups
     calls = request.getfixturevalue("interpreted_fp8_kernels") if backend == "mosaic_gpu" else []
+    group_sizes = np.array([34] * 4) if backend == BALANCED_STAND_IN else GROUP_SIZES
     x, _, ct = operands(136, 160, 48, seed=4)
     w = (np.random.default_rng(5).normal(size=(4, 160, 48)) * 0.05).astype(np.float32)
-    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
 
     def loss(x, w):
         return jnp.sum(fp8_grouped_matmul(x, w, sizes, recipe, backend) * ct)
@@ -206,11 +211,11 @@ def test_fp8_grouped_matmul_value_and_gradients_within_format_bound(recipe, back
     gemm, wgrad = "blockwise_grouped_gemm", "fp8_grouped_wgrad"
     assert calls == ([gemm, gemm, gemm, wgrad] if backend == "mosaic_gpu" else []), calls
     y, dx, dw = np.asarray(y), np.asarray(dx), np.asarray(dw)
-    ends = np.cumsum(GROUP_SIZES)
+    ends = np.cumsum(group_sizes)
     # tensorwise scales span all rows and all groups' weights: bound with the whole tensors' amax
     amax = {name: np.abs(v).max() for name, v in (("x", x), ("w", w), ("ct", ct))}
     for g in range(4):
-        lo, hi = ends[g] - GROUP_SIZES[g], ends[g]
+        lo, hi = ends[g] - group_sizes[g], ends[g]
         if hi == lo:
             np.testing.assert_array_equal(dw[g], 0.0)
             continue

@@ -162,6 +162,35 @@ def test_dry_run_counts_fp8_dispatch_bytes():
     assert fp8_bytes["forward"] / plain_bytes["forward"] == pytest.approx((1 + (64 + 4) / 128) / 2)
 
 
+def dry_run_step_text(recipe, a2a):
+    """The tiny step (one MoE layer, bf16) on data=2 x expert=4 with the dry run's layout, lowered
+    for CUDA (where ragged_dot stays one op; a CPU lowering expands it in place)."""
+    config = load_config(
+        [TINY], SMALL + ["model.compute_dtype=bfloat16", f"model.fp8={recipe}", "mesh.data=2", "mesh.expert=4"]
+    )
+    layout, _, ragged = dry_run.dry_run_layout(config, jax.devices(), a2a)
+    assert ragged
+    programs = build_programs(config, layout)
+    traced = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+RAGGED_DOT = re.compile(r"(chlo|stablehlo)\.ragged_dot")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8"])
+def test_dry_run_runs_fp8_gemms_as_on_a_kernel_backend(recipe):
+    """The dry run compiles for a CPU what a GPU with grouped kernels runs: no XLA ragged_dot,
+    whose rewrite holds a masked [G, M, D] copy of the rows for each weight gradient (60 GB at
+    671B on 256 H200s); blockwise's GEMMs on its kernels' stand-ins, the others' through the
+    bf16 stand-in. The CPU program the dry run does not stand in (a2a=emulate) keeps them."""
+    text = dry_run_step_text(recipe, "proxy")
+    assert not RAGGED_DOT.findall(text)
+    assert "xla.gpu.triton" not in text  # nothing a CPU cannot compile: the kernels' stand-ins
+    if recipe == "tensorwise":
+        assert RAGGED_DOT.findall(dry_run_step_text(recipe, "emulate"))
+
+
 def test_fp8_dispatch_needs_fp8_and_ragged_a2a():
     with pytest.raises(ConfigError, match="moe.fp8_dispatch"):
         load_config([TINY], ["moe.fp8_dispatch=true"])

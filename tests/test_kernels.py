@@ -18,7 +18,7 @@ import pytest
 from maxmoe.model.attention_ops import chunked_attention, xla_attention
 from maxmoe.parallel import mosaic_ragged_dot
 from maxmoe.parallel.attention_kernels import triton_attention
-from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, grouped_matmul
+from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, grouped_matmul, grouped_wgrad
 from maxmoe.parallel.kernel_choice import gpu_generation, resolve_attention, resolve_grouped_matmul
 from maxmoe.training.loss import cross_entropy, head_cross_entropies, head_cross_entropy
 
@@ -175,6 +175,34 @@ def test_dry_run_stand_in_equals_the_dense_loop_on_balanced_groups():
     grads = jax.grad(loss, argnums=(0, 1))
     for a, b in zip(grads(x, w, BALANCED_STAND_IN), grads(x, w, "dense_loop")):
         np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize(
+    "backend,sizes",
+    [
+        ("ragged_dot", [40, 0, 50, 20]),
+        ("dense_loop", [40, 0, 50, 20]),
+        (BALANCED_STAND_IN, [32] * 4),
+        ("mosaic_gpu", [40, 0, 50, 20]),
+    ],
+    ids=["ragged_dot", "dense_loop", "stand_in_balanced", "mosaic_wrapper"],
+)
+def test_grouped_wgrad_equals_per_group_products(backend, sizes, monkeypatch):
+    """dw[g] = x[rows of g]^T dy[rows of g] alone, float32, per backend (rows past the groups
+    add nothing); mosaic_gpu: the wrapper on the reference weight-gradient kernel."""
+    if backend == "mosaic_gpu":
+        monkeypatch.setattr(mosaic_ragged_dot, "_mosaic_kernels", lambda: REFERENCE)
+    keys = jax.random.split(jax.random.key(11), 2)
+    x, dy = jax.random.normal(keys[0], (128, 64)), jax.random.normal(keys[1], (128, 128))
+    dtype = jnp.bfloat16 if backend == "mosaic_gpu" else jnp.float32
+    x, dy = x.astype(dtype), dy.astype(dtype)
+    got = grouped_wgrad(x, dy, jnp.array(sizes, jnp.int32), backend=backend)
+    assert got.dtype == jnp.float32 and got.shape == (4, 64, 128)
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    ends = np.cumsum(sizes)
+    want = np.stack([x64[e - s : e].T @ dy64[e - s : e] for s, e in zip(sizes, ends)])
+    # the reference kernel, like its dot, rounds its output to the operands' bf16: 2^-9 of each value
+    np.testing.assert_allclose(got, want, **(dict(rtol=2.0**-8, atol=1e-6) if dtype == jnp.bfloat16 else TOL))
 
 
 # ----------------------------------------------------------------------------------

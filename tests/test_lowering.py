@@ -94,11 +94,15 @@ def test_info_lower_cuda_prints_counts(train_step_text):
     assert int(counts["ragged_all_to_all"]) == count_collectives(train_step_text("cuda", "none"))["ragged_all_to_all"]
 
 
-def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot():
-    """The tiny step for an H200 (bf16, sizes multiples of 64): Mosaic GPU grouped GEMMs, flash attention."""
+@pytest.mark.parametrize("fp8", ["none", "tensorwise", "mxfp8"])
+def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot(fp8):
+    """The tiny step for an H200 (bf16, sizes multiples of 64): Mosaic GPU grouped GEMMs, flash
+    attention. With model.fp8 tensorwise and mxfp8 the experts' fp8 values go to the same
+    kernels, their weight gradients to the transposed one (XLA's ragged_dot over the rows would
+    hold a masked [G, M, D] copy of them); blockwise: tests/test_fp8_grouped_kernel.py."""
     config = load_config(
         [TINY],
-        ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16"]
+        ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16", f"model.fp8={fp8}"]
         + ["model.compute_dtype=bfloat16", "model.hidden_size=128", "model.moe_mlp_dim=64"],
     )
     layout = build_layout(config, platform="cuda", device_kind="NVIDIA H200")

@@ -40,17 +40,18 @@ def projection_specs(x_spec: PartitionSpec, w_spec: PartitionSpec, x_ndim: int):
     return PartitionSpec(*batch, k), PartitionSpec(k, n), PartitionSpec(*batch, n), k_axes
 
 
-def sharded_fp8_projection(mesh, x_spec: PartitionSpec, w_spec: PartitionSpec, recipe: str):
-    """fn(x [..., K], w [K, N]) -> [..., N]: fp8_matmul with its kernels on each device's shards.
+def sharded_fp8_projection(mesh, x_spec: PartitionSpec, w_spec: PartitionSpec, recipe: str, kernels):
+    """fn(x [..., K], w [K, N]) -> [..., N]: fp8_matmul with `kernels` on each device's shards.
 
-    x_spec, w_spec: how the rules shard x and w (the specs of their logical axes).
+    x_spec, w_spec: how the rules shard x and w (the specs of their logical axes); kernels:
+    maxmoe.parallel.fp8_matmul.blockwise_kernels of the grouped backend.
     """
 
     def run(x, w_KN):
         x_in, w_in, y_out, k_axes = projection_specs(x_spec, w_spec, x.ndim)
 
         def body(x, w_KN):
-            y = fp8_matmul(x, w_KN, recipe, kernel=True)
+            y = fp8_matmul(x, w_KN, recipe, kernels)
             return jax.lax.psum(y, k_axes) if k_axes else y
 
         return shard_map_in_context(body, mesh=mesh, in_specs=(x_in, w_in), out_specs=y_out)(x, w_KN)

@@ -24,7 +24,8 @@ transposed, the rows last, and each (group, row tile of dw, column tile) program
 dot per 128 of the group's rows in float32 (rows of the neighbouring groups masked); the
 recipe's scales there are per (group, column), so they factor out and the caller applies them.
 
-`interpret=True` runs the same kernel through Pallas' interpreter (CPU tests). jax 0.10 lowers it
+`interpret=True` runs the same kernel through Pallas' interpreter (CPU tests). The dry run, which
+compiles for a CPU, calls `balanced_blockwise_gemm` and `balanced_grouped_wgrad` in their place. jax 0.10 lowers it
 for CUDA on a host without a GPU, newer jax only with one; jax 0.12 marks Pallas' Triton
 backend deprecated (still shipped), Mosaic GPU being where the kernel would move. Legend: M rows,
 K contraction, N output columns, G groups, C = K / 128 contraction blocks, T row tiles.
@@ -37,7 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxmoe.parallel.varying import vary_alike
+from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, balanced_blocks, grouped_wgrad
+from maxmoe.parallel.varying import sum_over_blocks, vary_alike
 
 TILE = 128  # the recipe's contraction block; also the kernel's K step
 BLOCK_M = 128
@@ -191,3 +193,35 @@ def fp8_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G, *, interpret=False):
         jnp.float32,
         interpret,
     )
+
+
+# ----------------------------------------------------------------------------------
+# Dry-run stand-ins: the kernels do not compile for a CPU, so the dry run's GPU-shaped program
+# (grouped backend `balanced_stand_in`) calls these instead: the kernels' operands, result and
+# FLOPs, groups taken as G equal blocks of rows as the bf16 stand-in takes them
+# (maxmoe.parallel.grouped_matmul). With M/G rows in every group their values are the kernels'.
+
+
+def balanced_blockwise_gemm(aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, *, out_dtype=jnp.float32):
+    """blockwise_grouped_gemm's contract for balanced groups: one batched fp8 dot per 128 of the
+    contraction, scaled and added into one float32 sum (the kernel's promotion, as a scan)."""
+    m, k = aq_MK.shape
+    g, n, _ = bq_GNK.shape
+    c = k // TILE
+    a_CGRT = balanced_blocks(aq_MK.reshape(m, c, TILE), g).transpose(2, 0, 1, 3)
+    s_CGR = balanced_blocks(a_scale_MC, g).transpose(2, 0, 1)
+    b_CGNT = bq_GNK.reshape(g, n, c, TILE).transpose(2, 0, 1, 3)
+
+    def add_block(acc_GRN, inputs):
+        a_GRT, s_GR, b_GNT, b_scale_GN = inputs
+        partial_GRN = jnp.einsum("grt,gnt->grn", a_GRT, b_GNT, preferred_element_type=jnp.float32)
+        return acc_GRN + partial_GRN * s_GR[:, :, None] * b_scale_GN[:, None, :], None
+
+    out_GRN = sum_over_blocks(add_block, (a_CGRT, s_CGR, b_CGNT, b_scale_GCN.transpose(1, 0, 2)))
+    out_MN = out_GRN.reshape(-1, n)[:m] + jnp.sum(group_sizes_G).astype(jnp.float32) * 0
+    return out_MN.astype(out_dtype)
+
+
+def balanced_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G):
+    """fp8_grouped_wgrad's contract for balanced groups: one batched fp8 dot over G equal row blocks."""
+    return grouped_wgrad(xq_DM.T, dyq_FM.T, group_sizes_G, backend=BALANCED_STAND_IN)

@@ -23,15 +23,18 @@ leave in the dtypes of the operands. Inputs are saved for the backward pass unqu
 
 Grouped GEMM (rows sorted by group, as `maxmoe.parallel.grouped_matmul`): tensorwise and
 blockwise run `jax.lax.ragged_dot` on fp8 operands (on GPU XLA rewrites it into a dense dot of
-G x the FLOPs), except under a GPU kernel backend (`moe.grouped_matmul=mosaic_gpu` or tokamax):
-there tensorwise gives that bf16-only kernel the fp8 values as bf16, exact, and rescales, and
-blockwise's forward, dx and dw run maxmoe's Pallas Triton kernels
+G x the FLOPs; for a weight gradient over a masked [G, M, D] copy of the rows), except under a
+GPU kernel backend (`moe.grouped_matmul=mosaic_gpu` or tokamax): there tensorwise gives that
+bf16-only kernel (forward, dx, and its weight-gradient kernel for dw) the fp8 values as bf16,
+exact, and rescales, mxfp8's weight gradient goes to the same kernel, and blockwise's forward,
+dx and dw run maxmoe's Pallas Triton kernels
 (`maxmoe.parallel.fp8_grouped_kernel`: fp8 dots with the promotion every 128, no padding of
 the groups) wherever Triton lowers; activation scales are per row (per 128 columns), weight
 scales per group (per block). The weight gradient's contraction runs over each group's rows,
 so its scales are one per (group, column) there (blockwise) rather than 128-row tiles, which
 would need a partial sum per tile. mxfp8 rounds operands to MXFP8 and runs the configured
-grouped backend on the exact bfloat16 values.
+grouped backend on the exact bfloat16 values. The dry run's balanced stand-in counts as a
+kernel backend: its program holds what the kernels hold.
 
 Legend: M rows, K contraction, N output columns, D embed, F expert_mlp, G groups.
 """
@@ -39,24 +42,41 @@ Legend: M rows, K contraction, N output columns, D embed, F expert_mlp, G groups
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.parallel.attention_kernels import triton_lowers_here
-from maxmoe.parallel.fp8_grouped_kernel import blockwise_grouped_gemm, fp8_grouped_wgrad
+from maxmoe.parallel.fp8_grouped_kernel import (
+    balanced_blockwise_gemm,
+    balanced_grouped_wgrad,
+    blockwise_grouped_gemm,
+    fp8_grouped_wgrad,
+)
 from maxmoe.parallel.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
-from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_matmul
-from maxmoe.parallel.varying import vary_alike
+from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, EXPERT_GATE_UP, WGRAD_DIMS, grouped_matmul, grouped_wgrad
+from maxmoe.parallel.varying import sum_over_blocks, vary_alike
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 TILE = 128  # DeepSeek-V3's tile and block edge
 MX_BLOCK = 32  # OCP MX block
-# Grouped kernels that take bf16 only (jax's Mosaic GPU ragged dot, tokamax): tensorwise feeds them
-# the fp8 values as bf16 rather than XLA's ragged_dot, which on GPU costs G x the FLOPs; with
-# them (a GPU target) blockwise runs maxmoe.parallel.fp8_grouped_kernel.
-BF16_KERNELS = ("mosaic_gpu", "tokamax")
+# Grouped backends that are kernels (jax's Mosaic GPU ragged dot, tokamax; in the dry run their
+# balanced stand-in): they take bf16 only, so tensorwise and mxfp8 feed them the fp8 values as
+# bf16 (exact) rather than XLA's ragged_dot, which on GPU costs G x the FLOPs (and a masked
+# [G, M, D] copy of the rows for a weight gradient); with them blockwise runs
+# maxmoe.parallel.fp8_grouped_kernel (the dry run: its stand-ins).
+KERNEL_BACKENDS = ("mosaic_gpu", "tokamax", BALANCED_STAND_IN)
+
+
+class BlockwiseKernels(NamedTuple):
+    """The two GEMMs blockwise runs on instead of XLA's program (fp8_grouped_kernel's contracts)."""
+
+    gemm: Callable  # blockwise_grouped_gemm
+    wgrad: Callable  # fp8_grouped_wgrad
+
 
 # Per recipe and GEMM: (lhs dtype, lhs block, rhs dtype, rhs block); the lhs contraction is its
 # columns, the rhs contraction its rows. 0 = the whole dimension.
@@ -75,11 +95,11 @@ GEMMS = {
 }
 
 
-def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernel: bool = False):
+def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernels: BlockwiseKernels | None = None):
     """a @ b in float32 through `recipe`'s fp8 `gemm` ('forward', 'dgrad' or 'wgrad').
 
-    kernel: blockwise through maxmoe.parallel.fp8_grouped_kernel (one group): on one device's
-    shard only (maxmoe.parallel.fp8_dense), where XLA need not partition the kernel call.
+    kernels: blockwise through their block-scaled GEMM (one group): on one device's shard only
+    (maxmoe.parallel.fp8_dense), where XLA need not partition the kernel call.
     """
     if recipe == "mxfp8":
         return _mx_dot(a_MK, b_KN)
@@ -95,10 +115,10 @@ def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernel: bool = False):
         return out * a_rows * b_cols
     blocks = a_scale.shape[1]
     pad = blocks * TILE - k
-    if kernel:
+    if kernels:
         aq_MK = jnp.pad(aq, ((0, 0), (0, pad)))
         bq_1NK = jnp.pad(bq, ((0, pad), (0, 0))).T[None]
-        return blockwise_grouped_gemm(aq_MK, a_rows, bq_1NK, b_cols[None], jnp.full((1,), m, jnp.int32))
+        return kernels.gemm(aq_MK, a_rows, bq_1NK, b_cols[None], jnp.full((1,), m, jnp.int32))
     aq_MBT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE)
     bq_BTN = jnp.pad(bq, ((0, pad), (0, 0))).reshape(blocks, TILE, n)
     return jax.lax.platform_dependent(aq_MBT, bq_BTN, a_rows, b_cols, cuda=_blocks_scanned, default=_blocks_batched)
@@ -119,16 +139,7 @@ def _blocks_scanned(aq_MBT, bq_BTN, a_rows_MB, b_cols_BN):
         partial_MN = jax.lax.dot(aq_MT, bq_TN, preferred_element_type=jnp.float32)
         return acc_MN + partial_MN * a_rows_M[:, None] * b_cols_N[None, :], None
 
-    return _sum_over_blocks(add_block, (aq_MBT.transpose(1, 0, 2), bq_BTN, a_rows_MB.T, b_cols_BN))
-
-
-def _sum_over_blocks(add_block, blocks_in):
-    """add_block(acc, inputs of one block) folded over the leading axis of every input. The first
-    block starts the sum (a zeros carry would not vary over a shard_map's axes as the blocks
-    do); a scan adds the others."""
-    first, _ = add_block(0.0, jax.tree.map(lambda a: a[0], blocks_in))
-    acc, _ = jax.lax.scan(add_block, first, jax.tree.map(lambda a: a[1:], blocks_in))
-    return acc
+    return sum_over_blocks(add_block, (aq_MBT.transpose(1, 0, 2), bq_BTN, a_rows_MB.T, b_cols_BN))
 
 
 def _mx_dot(a_MK, b_KN):
@@ -153,33 +164,33 @@ def _mx_dot(a_MK, b_KN):
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
 
-def fp8_matmul(x, w_KN, recipe: str, kernel: bool = False):
+def fp8_matmul(x, w_KN, recipe: str, kernels: BlockwiseKernels | None = None):
     """x [..., K] @ w [K, N] with every GEMM of forward and backward in fp8 (`recipe` in RECIPES).
 
-    Returns [..., N] in x's dtype; the gradients come back in x's and w's dtypes. kernel: the
-    three GEMMs of blockwise through maxmoe's Triton kernel, for a call on one device's shards.
+    Returns [..., N] in x's dtype; the gradients come back in x's and w's dtypes. kernels
+    (`blockwise_kernels`): blockwise's three GEMMs through them, for a call on one device's shards.
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
     lead = x.shape[:-1]
     x, w_KN = vary_alike(x, w_KN)
-    y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe, kernel and recipe == "blockwise")
+    y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe, kernels if recipe == "blockwise" else None)
     return y_MN.reshape(*lead, w_KN.shape[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dense(x_MK, w_KN, recipe, kernel):
-    return scaled_dot(x_MK, w_KN, recipe, "forward", kernel).astype(x_MK.dtype)
+def _dense(x_MK, w_KN, recipe, kernels):
+    return scaled_dot(x_MK, w_KN, recipe, "forward", kernels).astype(x_MK.dtype)
 
 
-def _dense_fwd(x_MK, w_KN, recipe, kernel):
-    return _dense(x_MK, w_KN, recipe, kernel), (x_MK, w_KN)
+def _dense_fwd(x_MK, w_KN, recipe, kernels):
+    return _dense(x_MK, w_KN, recipe, kernels), (x_MK, w_KN)
 
 
-def _dense_bwd(recipe, kernel, saved, dy_MN):
+def _dense_bwd(recipe, kernels, saved, dy_MN):
     x_MK, w_KN = saved
-    dx_MK = scaled_dot(dy_MN, w_KN.T, recipe, "dgrad", kernel)
-    dw_KN = scaled_dot(x_MK.T, dy_MN, recipe, "wgrad", kernel)
+    dx_MK = scaled_dot(dy_MN, w_KN.T, recipe, "dgrad", kernels)
+    dw_KN = scaled_dot(x_MK.T, dy_MN, recipe, "wgrad", kernels)
     return dx_MK.astype(x_MK.dtype), dw_KN.astype(w_KN.dtype)
 
 
@@ -195,10 +206,16 @@ def row_groups(group_sizes_G, rows: int):
     return jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(rows), side="right").astype(jnp.int32)
 
 
-def blockwise_kernels(backend: str) -> bool:
-    """Whether blockwise's grouped GEMMs run maxmoe.parallel.fp8_grouped_kernel: on a GPU grouped
-    backend, where Triton lowers (not when lowering for CUDA without a GPU under jax >= 0.11)."""
-    return backend in BF16_KERNELS and not triton_lowers_here()
+def blockwise_kernels(backend: str) -> BlockwiseKernels | None:
+    """The GEMMs blockwise runs on beside the grouped `backend`, or None for XLA's program:
+    maxmoe.parallel.fp8_grouped_kernel's Triton kernels beside a GPU kernel backend where
+    Triton lowers (not when lowering for CUDA without a GPU under jax >= 0.11), their stand-ins
+    beside the dry run's balanced stand-in."""
+    if backend == BALANCED_STAND_IN:
+        return BlockwiseKernels(balanced_blockwise_gemm, balanced_grouped_wgrad)
+    if backend in KERNEL_BACKENDS and not triton_lowers_here():
+        return BlockwiseKernels(blockwise_grouped_gemm, fp8_grouped_wgrad)
+    return None
 
 
 def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend: str = "ragged_dot"):
@@ -210,7 +227,7 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend:
     if recipe == "tensorwise":  # one scale for all the groups' weights together
         bq_GKN, b_scale = quantize(b_GKN.reshape(g * k, n), b_dtype, b_block)
         bq_GKN = bq_GKN.reshape(g, k, n)
-        if backend in BF16_KERNELS:
+        if backend in KERNEL_BACKENDS:
             # Every e4m3 / e5m2 value is a bfloat16 value and the scales factor out of the sum:
             # the bf16 kernel computes the fp8 GEMM's exact products, only not at fp8 speed.
             out = grouped_matmul(aq.astype(jnp.bfloat16), bq_GKN.astype(jnp.bfloat16), group_sizes_G, backend=backend)
@@ -222,10 +239,11 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend:
     blocks = a_scale.shape[1]
     pad = blocks * TILE - k
     b_cols_GBN = jax.vmap(lambda s: expand_scales(s, (blocks, n), (1, b_block[1])))(b_scale)
-    if blockwise_kernels(backend):  # the block-scaled kernel, contraction last for both operands
+    kernels = blockwise_kernels(backend)
+    if kernels:  # the block-scaled kernel, contraction last for both operands
         aq_MK = jnp.pad(aq, ((0, 0), (0, pad)))
         bq_GNK = jnp.pad(bq_GKN, ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)
-        return blockwise_grouped_gemm(aq_MK, a_scale, bq_GNK, b_cols_GBN, group_sizes_G)
+        return kernels.gemm(aq_MK, a_scale, bq_GNK, b_cols_GBN, group_sizes_G)
     groups_M = jnp.minimum(row_groups(group_sizes_G, m), g - 1)  # rows past the groups come out zero anyway
     aq_BMT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE).transpose(1, 0, 2)
     bq_BGTN = jnp.pad(bq_GKN, ((0, 0), (0, pad), (0, 0))).reshape(g, blocks, TILE, n).transpose(1, 0, 2, 3)
@@ -235,12 +253,18 @@ def _grouped_scaled(a_MK, b_GKN, group_sizes_G, recipe: str, gemm: str, backend:
         partial_MN = jax.lax.ragged_dot(aq_MT, bq_GTN, group_sizes_G, preferred_element_type=jnp.float32)
         return acc_MN + partial_MN * a_scale_M[:, None] * b_cols_GN[groups_M], None
 
-    return _sum_over_blocks(add_block, (aq_BMT, bq_BGTN, a_scale.T, b_cols_GBN.transpose(1, 0, 2)))
+    return sum_over_blocks(add_block, (aq_BMT, bq_BGTN, a_scale.T, b_cols_GBN.transpose(1, 0, 2)))
 
 
-_WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
-)
+def _exact_wgrad(xq_MD, dyq_MF, group_sizes_G, backend: str, precision=None):
+    """grouped_wgrad of values exact in bfloat16 (fp8, or MXFP8-rounded), float32: a kernel
+    backend's own weight gradient on them as bf16, else XLA's ragged_dot_general."""
+    if backend in KERNEL_BACKENDS:
+        bf16 = jnp.bfloat16
+        return grouped_wgrad(xq_MD.astype(bf16), dyq_MF.astype(bf16), group_sizes_G, backend=backend)
+    return jax.lax.ragged_dot_general(
+        xq_MD, dyq_MF, group_sizes_G, WGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str, backend: str = "ragged_dot"):
@@ -249,24 +273,25 @@ def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str, backend: str = "ragg
     if recipe == "tensorwise":
         xq, x_scale = quantize(x_MD, E4M3)
         dyq, dy_scale = quantize(dy_MF, E5M2)
-        out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
-        return out * x_scale * dy_scale
+        return _exact_wgrad(xq, dyq, group_sizes_G, backend) * x_scale * dy_scale
     groups_M = row_groups(group_sizes_G, x_MD.shape[0])
     xq, x_scale_GD = segment_quantize(x_MD, groups_M, g)
     dyq, dy_scale_GF = segment_quantize(dy_MF, groups_M, g)
-    if blockwise_kernels(backend):  # the rows (the contraction) last in both operands
-        out = fp8_grouped_wgrad(xq.T, dyq.T, group_sizes_G)
+    kernels = blockwise_kernels(backend)
+    if kernels:  # the rows (the contraction) last in both operands
+        out = kernels.wgrad(xq.T, dyq.T, group_sizes_G)
     else:
-        out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
+        out = jax.lax.ragged_dot_general(xq, dyq, group_sizes_G, WGRAD_DIMS, preferred_element_type=jnp.float32)
     return out * x_scale_GD[:, :, None] * dy_scale_GF[:, None, :]
 
 
 def fp8_grouped_matmul(x_MD, w_GDF, group_sizes_G, recipe: str, backend: str = "ragged_dot"):
     """`maxmoe.parallel.grouped_matmul.grouped_matmul` with its GEMMs in fp8 (`recipe` in RECIPES).
 
-    `backend` runs mxfp8 (on the exactly rounded bf16/f32 values) and, when it is a bf16-only
-    kernel (BF16_KERNELS), tensorwise's forward and dx on the fp8 values as bf16; otherwise
-    jax.lax.ragged_dot multiplies fp8 operands. Rows past sum(group_sizes) give zeros.
+    `backend` runs mxfp8 (on the exactly rounded bf16/f32 values) and, when it is a kernel
+    (KERNEL_BACKENDS), tensorwise's GEMMs and mxfp8's weight gradient on the fp8 values as bf16
+    and blockwise's on `blockwise_kernels`; otherwise jax.lax.ragged_dot multiplies fp8
+    operands. Rows past sum(group_sizes) give zeros.
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
@@ -303,9 +328,7 @@ def _grouped_bwd(recipe, backend, saved, dy_MF):
         dx_MD = grouped_matmul(dy, _mx_round_groups(w_GFD), group_sizes_G, backend=backend)
         x_rows = _mx_round(x_MD, (MX_BLOCK, 1)).astype(jnp.float32)
         dy_rows = _mx_round(dy_MF, (MX_BLOCK, 1)).astype(jnp.float32)
-        dw_GDF = jax.lax.ragged_dot_general(
-            x_rows, dy_rows, group_sizes_G, _WGRAD_DIMS, precision=jax.lax.Precision.HIGHEST
-        )
+        dw_GDF = _exact_wgrad(x_rows, dy_rows, group_sizes_G, backend, jax.lax.Precision.HIGHEST)
     else:
         dx_MD = _grouped_scaled(dy_MF, w_GFD, group_sizes_G, recipe, "dgrad", backend)
         dw_GDF = _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe, backend)

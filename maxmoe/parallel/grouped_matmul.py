@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
-from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul
+from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul, mosaic_grouped_wgrad
 
 # The name remat policies save the gate/up GEMM output [M, 2F] by, whatever the backend
 # (maxmoe.parallel.dispatch_shard.EXPERT_MATMUL_NAMES).
@@ -127,15 +127,63 @@ def _dense_loop(x_MD, w_GDF, group_sizes_G):
     return out_MF
 
 
+def balanced_blocks(x_MD, groups: int):
+    """[G, R, ...]: x's rows as `groups` equal blocks of R = ceil(M / G), zero rows at the end."""
+    rows = -(-x_MD.shape[0] // groups)
+    pad = [(0, rows * groups - x_MD.shape[0])] + [(0, 0)] * (x_MD.ndim - 1)
+    return jnp.pad(x_MD, pad).reshape(groups, rows, *x_MD.shape[1:])
+
+
 def _balanced_stand_in(x_MD, w_GDF, group_sizes_G):
     """Dry runs: the rows as G equal blocks, one batched [M/G, D] x [D, F] GEMM per group.
 
     The buffers and FLOPs of a grouped GEMM over a full buffer of balanced groups; the
-    values are not the grouped product (group sizes are read only to keep them live).
+    values are the grouped product only when the groups are M/G rows each (group sizes are
+    read only to keep them live).
     """
-    m, g = x_MD.shape[0], w_GDF.shape[0]
-    rows = -(-m // g)
-    x_GRD = jnp.pad(x_MD, ((0, rows * g - m), (0, 0))).reshape(g, rows, x_MD.shape[1])
-    out_GRF = jnp.einsum("grd,gdf->grf", x_GRD, w_GDF, preferred_element_type=jnp.float32)
-    out_MF = out_GRF.reshape(rows * g, w_GDF.shape[2])[:m]
+    m = x_MD.shape[0]
+    out_GRF = jnp.einsum(
+        "grd,gdf->grf", balanced_blocks(x_MD, w_GDF.shape[0]), w_GDF, preferred_element_type=jnp.float32
+    )
+    out_MF = out_GRF.reshape(-1, w_GDF.shape[2])[:m]
     return out_MF + jnp.sum(group_sizes_G).astype(jnp.float32) * 0
+
+
+WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+def grouped_wgrad(x_MD, dy_MF, group_sizes_G, *, backend: str = "ragged_dot"):
+    """dw[g] = x[rows of g]^T @ dy[rows of g]: the weight gradient of `grouped_matmul` alone.
+
+    [G, D, F] float32 (the kernels' own output dtype where they round). Rows past
+    sum(group_sizes) contribute nothing. Per backend: "ragged_dot" a ragged_dot_general over
+    the rows (XLA:GPU, and XLA:CPU, rewrite it into a dense dot over a masked [G, M, D] copy
+    of x); "mosaic_gpu" the transposed Hopper kernel alone; "tokamax" tokamax's VJP of its
+    ragged dot (XLA drops the unused forward); "dense_loop" a masked product per group; the
+    balanced stand-in one batched product over G equal row blocks (exact for M/G rows each).
+    """
+    g = group_sizes_G.shape[0]
+    if backend == "ragged_dot":
+        return jax.lax.ragged_dot_general(x_MD, dy_MF, group_sizes_G, WGRAD_DIMS, preferred_element_type=jnp.float32)
+    if backend == "mosaic_gpu":
+        return mosaic_grouped_wgrad(x_MD, dy_MF, group_sizes_G).astype(jnp.float32)
+    if backend == "tokamax":
+        w_GDF = jnp.zeros((g, x_MD.shape[1], dy_MF.shape[1]), x_MD.dtype)
+        _, vjp = jax.vjp(lambda w: _tokamax(x_MD, w, group_sizes_G), w_GDF)
+        return vjp(dy_MF.astype(jnp.float32))[0].astype(jnp.float32)
+    if backend == "dense_loop":
+        ends_G = jnp.cumsum(group_sizes_G)
+        rows_M = jnp.arange(x_MD.shape[0])
+        in_group_GM = (rows_M >= (ends_G - group_sizes_G)[:, None]) & (rows_M < ends_G[:, None])
+        return jnp.einsum(
+            "md,mf,gm->gdf", x_MD, dy_MF, in_group_GM.astype(x_MD.dtype), preferred_element_type=jnp.float32
+        )
+    if backend == BALANCED_STAND_IN:
+        dw_GDF = jnp.einsum(
+            "grd,grf->gdf", balanced_blocks(x_MD, g), balanced_blocks(dy_MF, g), preferred_element_type=jnp.float32
+        )
+        return dw_GDF + jnp.sum(group_sizes_G).astype(jnp.float32) * 0
+    allowed = ", ".join(repr(b) for b in GROUPED_MATMUL_BACKENDS)
+    raise ValueError(f"unknown grouped_matmul backend {backend!r}; expected one of {allowed}")

@@ -5,6 +5,7 @@ Kernels (jax.experimental.pallas.ops.gpu, the same API in jax 0.10.2, 0.11.x and
                                                `transpose_rhs=True` reads w as [G, N, K] (dx)
   transposed_ragged_dot_mgpu.transposed_ragged_dot
                                                dw[G, K, N] = x_g^T @ dy_g over each group's rows
+                                               (also alone: `mosaic_grouped_wgrad`)
 Both use `wgmma` (sm_90a): Hopper only. They take bf16/f16 operands (accumulating in f32) and
 need K divisible by the K block. The module is an example that may move between jax
 releases, so it is imported here only, and an import failure is reported as one clear error.
@@ -236,8 +237,13 @@ def make_grouped_matmul(kernels: Kernels):
 
 
 @functools.cache
+def _mosaic_kernels() -> Kernels:
+    return mosaic_kernels()
+
+
+@functools.cache
 def _mosaic_grouped_matmul():
-    return make_grouped_matmul(mosaic_kernels())
+    return make_grouped_matmul(_mosaic_kernels())
 
 
 def check_operands(x_MK, w_GKN) -> None:
@@ -259,3 +265,18 @@ def mosaic_grouped_matmul(x_MK, w_GKN, sizes_G):
     """
     check_operands(x_MK, w_GKN)
     return _mosaic_grouped_matmul()(x_MK, w_GKN, sizes_G.astype(jnp.int32))
+
+
+def mosaic_grouped_wgrad(x_MK, dy_MN, sizes_G):
+    """dw[g] = x[rows of g]^T @ dy[rows of g] [G, K, N] on the transposed Hopper kernel alone
+    (the weight gradient of `mosaic_grouped_matmul` without its forward); dy's rows past
+    sum(sizes_G) are zeroed first. bf16/f16 operands of one dtype; K and N multiples of 64."""
+    if x_MK.dtype not in SUPPORTED_DTYPES or dy_MN.dtype != x_MK.dtype:
+        raise ValueError(
+            f"the Mosaic GPU weight gradient needs bfloat16 or float16 operands of one dtype; got "
+            f"{x_MK.dtype} and {dy_MN.dtype}"
+        )
+    pick_blocks(x_MK.shape[1], dy_MN.shape[1])
+    x_MK, dy_MN, sizes_G = vary_alike(x_MK, dy_MN, sizes_G.astype(jnp.int32))
+    dy_MN = _valid_rows(dy_MN, jnp.sum(sizes_G))
+    return vary_over(_mosaic_kernels().weight_grad(x_MK, dy_MN, sizes_G), varying_axes(x_MK))

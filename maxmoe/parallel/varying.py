@@ -5,6 +5,7 @@ VJP must return each cotangent varying as its input, and a kernel's output (whic
 mark of its own) must be given one. Operands are brought to the union of their axes first, so
 that an operand replicated over an axis (the weights, over the data axes) gets its gradient
 summed over that axis, as jax does for its own ops. Outside shard_map every set is empty.
+A sum folded by a scan needs its carry to vary as the summands do: `sum_over_blocks`.
 """
 
 from __future__ import annotations
@@ -30,3 +31,12 @@ def vary_alike(*arrays) -> list:
     """The arrays made to vary over the same manual axes: the union of theirs."""
     union = tuple(sorted(set().union(*(varying_axes(a) for a in arrays))))
     return [vary_over(a, union) for a in arrays]
+
+
+def sum_over_blocks(add_block, blocks_in):
+    """add_block(acc, inputs of one block) -> (acc, None) folded over the leading axis of every
+    input. The first block starts the sum (a zeros carry would not vary over a shard_map's axes
+    as the blocks do); a scan adds the others."""
+    first, _ = add_block(0.0, jax.tree.map(lambda a: a[0], blocks_in))
+    acc, _ = jax.lax.scan(add_block, first, jax.tree.map(lambda a: a[1:], blocks_in))
+    return acc
