@@ -184,12 +184,16 @@ def test_dry_run_stand_in_equals_the_dense_loop_on_balanced_groups():
         ("dense_loop", [40, 0, 50, 20]),
         (BALANCED_STAND_IN, [32] * 4),
         ("mosaic_gpu", [40, 0, 50, 20]),
+        ("tokamax", [40, 0, 50, 20]),
     ],
-    ids=["ragged_dot", "dense_loop", "stand_in_balanced", "mosaic_wrapper"],
+    ids=["ragged_dot", "dense_loop", "stand_in_balanced", "mosaic_wrapper", "tokamax_reference"],
 )
 def test_grouped_wgrad_equals_per_group_products(backend, sizes, monkeypatch):
     """dw[g] = x[rows of g]^T dy[rows of g] alone, float32, per backend (rows past the groups
-    add nothing); mosaic_gpu: the wrapper on the reference weight-gradient kernel."""
+    add nothing); mosaic_gpu: the wrapper on the reference weight-gradient kernel; tokamax: its
+    VJP through its reference path (CPU)."""
+    if backend == "tokamax":
+        pytest.importorskip("tokamax")
     if backend == "mosaic_gpu":
         monkeypatch.setattr(mosaic_ragged_dot, "_mosaic_kernels", lambda: REFERENCE)
     keys = jax.random.split(jax.random.key(11), 2)
