@@ -173,7 +173,8 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
     step's, the pipeline's outer weights) are counted at bf16 width. It also leaves the
     ZeRO-1 gradient reduction across domains (scope `reduce_to_zero1`) as an all-reduce
     followed by a slice, which the GPU pipeline turns into a reduce-scatter: counted as one
-    (half the bytes).
+    (half the bytes). With `moe.fp8_dispatch` it may run the e4m3 dispatch in f16 (no program
+    of maxmoe has f16 values otherwise): counted at e4m3's byte a value.
     """
     notes, corrected = [], []
     halve_bf16 = config.model.compute_dtype == "bfloat16"
@@ -183,6 +184,9 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
         if halve_bf16 and row["dtype"] == "f32" and (row["kind"] == "all-to-all" or "compute_copy" in names):
             row = {**row, "dtype": "bf16", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
             seen.add("all-to-all" if row["kind"] == "all-to-all" else "compute_copy")
+        if config.moe.fp8_dispatch and row["kind"] == "all-to-all" and row["dtype"] == "f16":
+            row = {**row, "dtype": "f8", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
+            seen.add("fp8 all-to-all")
         if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in names:
             row = {
                 **row,
@@ -197,6 +201,8 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
             "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
             "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
         )
+    if "fp8 all-to-all" in seen:
+        notes.append("fp8 dispatch: XLA:CPU runs the e4m3 all-to-alls in f16; counted at e4m3 width")
     if "compute_copy" in seen:
         notes.append(
             "ZeRO-1 weight gathers (two-tier step or pipeline outer weights, scope compute_copy): counted at bf16 "

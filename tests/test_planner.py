@@ -190,6 +190,14 @@ def test_dry_run_counts_what_the_gpu_moves():
         ("all-to-all", "bf16", 4.0),
     ]
     assert len(notes) == 3
+    # moe.fp8_dispatch: XLA:CPU may run the e4m3 dispatch in f16; the GPU moves a byte a value
+    fp8 = load_config(
+        [str(ROOT / "configs" / "tiny.yaml")],
+        ["model.compute_dtype=bfloat16", "model.fp8=blockwise", "moe.fp8_dispatch=true"],
+    )
+    dispatch = [row("all-to-all", "f16", "jit(train_step)/moe", cross=False)]
+    assert [(r["dtype"], r["bytes"]) for r in as_on_gpu(dispatch, fp8)[0]] == [("f8", 4.0)]
+    assert [(r["dtype"], r["bytes"]) for r in as_on_gpu(dispatch, config)[0]] == [("f16", 8.0)]
 
 
 def test_system_table():
