@@ -161,8 +161,9 @@ def grouped_wgrad(x_MD, dy_MF, group_sizes_G, *, backend: str = "ragged_dot"):
     sum(group_sizes) contribute nothing. Per backend: "ragged_dot" a ragged_dot_general over
     the rows (XLA:GPU, and XLA:CPU, rewrite it into a dense dot over a masked [G, M, D] copy
     of x); "mosaic_gpu" the transposed Hopper kernel alone; "tokamax" tokamax's VJP of its
-    ragged dot (XLA drops the unused forward); "dense_loop" a masked product per group; the
-    balanced stand-in one batched product over G equal row blocks (exact for M/G rows each).
+    ragged dot (the forward traced with it is unused; not checked that XLA removes it);
+    "dense_loop" a masked product per group; the balanced stand-in one batched product over
+    G equal row blocks (exact for M/G rows each).
     """
     g = group_sizes_G.shape[0]
     if backend == "ragged_dot":
