@@ -322,9 +322,10 @@ class Layout:
         x_axes, w_axes: the logical axes of x [..., K...] and w [K..., N...] before the caller
         merges their `contract` contraction dims (and w's output dims) into one.
         """
-        grouped = self.grouped_matmul.name if self.grouped_matmul is not None else ""
-        kernels = blockwise_kernels(grouped)
-        if recipe != "blockwise" or not kernels:
+        if recipe != "blockwise":
+            return None
+        kernels = blockwise_kernels(self.grouped_matmul.name if self.grouped_matmul is not None else "")
+        if not kernels:
             return None
         if self.mesh.size == 1:
             return lambda x, w: fp8_matmul(x, w, recipe, kernels)

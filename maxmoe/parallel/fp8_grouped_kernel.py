@@ -38,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, balanced_blocks, grouped_wgrad
+from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, balanced_blocks, grouped_wgrad, keep_live
 from maxmoe.parallel.varying import sum_over_blocks, vary_alike
 
 TILE = 128  # the recipe's contraction block; also the kernel's K step
@@ -218,8 +218,7 @@ def balanced_blockwise_gemm(aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_
         return acc_GRN + partial_GRN * s_GR[:, :, None] * b_scale_GN[:, None, :], None
 
     out_GRN = sum_over_blocks(add_block, (a_CGRT, s_CGR, b_CGNT, b_scale_GCN.transpose(1, 0, 2)))
-    out_MN = out_GRN.reshape(-1, n)[:m] + jnp.sum(group_sizes_G).astype(jnp.float32) * 0
-    return out_MN.astype(out_dtype)
+    return keep_live(out_GRN.reshape(-1, n)[:m], group_sizes_G).astype(out_dtype)
 
 
 def balanced_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G):

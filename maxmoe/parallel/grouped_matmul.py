@@ -114,14 +114,24 @@ def _tokamax(x_MD, w_GDF, group_sizes_G):
     return jnp.where(valid_M1, out_MF, 0.0)
 
 
+def _group_masks(group_sizes_G, rows: int):
+    """[G, M] bool: whether row m belongs to group g (rows sorted by group)."""
+    ends_G = jnp.cumsum(group_sizes_G)
+    rows_M = jnp.arange(rows)
+    return (rows_M >= (ends_G - group_sizes_G)[:, None]) & (rows_M < ends_G[:, None])
+
+
+def keep_live(out, group_sizes_G):
+    """out, with the group sizes read (as zero) so a stand-in keeps them live in the program."""
+    return out + jnp.sum(group_sizes_G).astype(out.dtype) * 0
+
+
 def _dense_loop(x_MD, w_GDF, group_sizes_G):
     """Reference: for each group, a full [M, D] x [D, F] matmul masked to its rows."""
-    ends_G = jnp.cumsum(group_sizes_G)
-    starts_G = ends_G - group_sizes_G
-    rows_M = jnp.arange(x_MD.shape[0])
+    in_group_GM = _group_masks(group_sizes_G, x_MD.shape[0])
     out_MF = jnp.zeros((x_MD.shape[0], w_GDF.shape[2]), jnp.float32)
     for g in range(w_GDF.shape[0]):
-        in_group_M = (rows_M >= starts_G[g]) & (rows_M < ends_G[g])
+        in_group_M = in_group_GM[g]
         product_MF = jnp.einsum("md,df->mf", x_MD, w_GDF[g], preferred_element_type=jnp.float32)
         out_MF = out_MF + jnp.where(in_group_M[:, None], product_MF, 0.0)
     return out_MF
@@ -145,8 +155,7 @@ def _balanced_stand_in(x_MD, w_GDF, group_sizes_G):
     out_GRF = jnp.einsum(
         "grd,gdf->grf", balanced_blocks(x_MD, w_GDF.shape[0]), w_GDF, preferred_element_type=jnp.float32
     )
-    out_MF = out_GRF.reshape(-1, w_GDF.shape[2])[:m]
-    return out_MF + jnp.sum(group_sizes_G).astype(jnp.float32) * 0
+    return keep_live(out_GRF.reshape(-1, w_GDF.shape[2])[:m], group_sizes_G)
 
 
 WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -175,16 +184,12 @@ def grouped_wgrad(x_MD, dy_MF, group_sizes_G, *, backend: str = "ragged_dot"):
         _, vjp = jax.vjp(lambda w: _tokamax(x_MD, w, group_sizes_G), w_GDF)
         return vjp(dy_MF.astype(jnp.float32))[0].astype(jnp.float32)
     if backend == "dense_loop":
-        ends_G = jnp.cumsum(group_sizes_G)
-        rows_M = jnp.arange(x_MD.shape[0])
-        in_group_GM = (rows_M >= (ends_G - group_sizes_G)[:, None]) & (rows_M < ends_G[:, None])
-        return jnp.einsum(
-            "md,mf,gm->gdf", x_MD, dy_MF, in_group_GM.astype(x_MD.dtype), preferred_element_type=jnp.float32
-        )
+        in_group_GM = _group_masks(group_sizes_G, x_MD.shape[0]).astype(x_MD.dtype)
+        return jnp.einsum("md,mf,gm->gdf", x_MD, dy_MF, in_group_GM, preferred_element_type=jnp.float32)
     if backend == BALANCED_STAND_IN:
         dw_GDF = jnp.einsum(
             "grd,grf->gdf", balanced_blocks(x_MD, g), balanced_blocks(dy_MF, g), preferred_element_type=jnp.float32
         )
-        return dw_GDF + jnp.sum(group_sizes_G).astype(jnp.float32) * 0
+        return keep_live(dw_GDF, group_sizes_G)
     allowed = ", ".join(repr(b) for b in GROUPED_MATMUL_BACKENDS)
     raise ValueError(f"unknown grouped_matmul backend {backend!r}; expected one of {allowed}")
