@@ -45,7 +45,7 @@ per device:
               maxmoe.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
               free, the end stages' extra work only on those stages.
   prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
-              GPU and bound from these FLOPs, collectives (as the GPU moves them, by tier and
+              GPU and bound from these FLOPs (those of the FP8 GEMMs apart: step_workload), collectives (as the GPU moves them, by tier and
               by whether they run once per step) and memory, and the per-GPU retention if
               the replicas (cross-domain groups) grew 4-fold.
 The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
@@ -78,7 +78,7 @@ import time
 
 from maxmoe import planner
 from maxmoe.config import Config, ConfigError
-from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part
+from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part, fp8_flops_per_token
 from maxmoe.hlo import collective_ops, dot_flops, summarize_ops
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
@@ -220,6 +220,27 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
 # Compiling one step
 
 
+def step_workload(config: Config, rows: list[dict], devices: int, memory_bytes: float, pipeline) -> planner.Workload:
+    """The planner's Workload of one step: model FLOPs (those of the FP8 GEMMs apart), the
+    collectives `rows` (as_on_gpu's), the compiled footprint, the optimizer's HBM bytes and,
+    with stages (`pipeline`: pipeline_report's), their compute scale."""
+    t = config.train
+    tokens = t.batch_size * t.seq_len
+    params = count_params(config.model)
+    workload = planner.workload_from_ops(
+        rows,
+        flops_per_token(config.model, t.seq_len) * tokens / devices,
+        tokens,
+        devices,
+        memory_bytes=memory_bytes,
+        optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], devices),
+    )
+    workload = dataclasses.replace(workload, fp8_flops_per_device=fp8_flops_per_token(config.model) * tokens / devices)
+    if pipeline is not None:
+        workload = dataclasses.replace(workload, compute_scale=pipeline["compute_scale"])
+    return workload
+
+
 def bubble_baseline(config: Config) -> Config:
     """`config` without pipeline stages on the same devices: pipeline=1, data x P, grad_accum M / P."""
     stages = config.mesh.pipeline
@@ -341,17 +362,7 @@ def dry_run_shape(
     pipeline = pipeline_report(shaped)
     prediction = None
     if system is not None:
-        params = count_params(shaped.model)
-        workload = planner.workload_from_ops(
-            rows,
-            flops,
-            tokens,
-            mesh.size,
-            memory_bytes=total,
-            optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], mesh.size),
-        )
-        if pipeline is not None:
-            workload = dataclasses.replace(workload, compute_scale=pipeline["compute_scale"])
+        workload = step_workload(shaped, rows, mesh.size, total, pipeline)
         prediction = planner.report(workload, planner.SYSTEMS[system])
     if shaped.mesh.scale_up_domain:
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"

@@ -14,6 +14,11 @@ FLOPs follow the usual convention:
 
 6 = 2 (multiply-add) x 3 (forward + backward for inputs + backward for weights).
 Activated experts: top-k routed experts + shared experts of each MoE layer.
+
+With `model.fp8` set, fp8_flops_per_token is the part of those FLOPs that runs as FP8 GEMMs:
+every attention projection, the dense MLPs, the shared and the activated routed experts, in
+the main model and in each MTP depth; the router, the attention core, the head and MTP's
+[2D, D] projection stay in the compute dtype (maxmoe.parallel.fp8_matmul's recipes).
 """
 
 from __future__ import annotations
@@ -94,6 +99,16 @@ def flops_per_token_by_part(m: ModelConfig, seq_len: int) -> dict[str, float]:
     }
 
 
+def fp8_flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token of the GEMMs `model.fp8` runs in FP8 (0 with fp8 none)."""
+    if m.fp8 == "none":
+        return 0.0
+    attn = _attention_params(m)
+    experts = 3 * m.hidden_size * m.moe_mlp_dim * (m.experts_per_token + m.num_shared_experts)
+    moe_layers = m.num_layers - m.first_k_dense + m.mtp_num_layers
+    return 6.0 * (m.first_k_dense * (attn + 3 * m.hidden_size * m.mlp_dim) + moe_layers * (attn + experts))
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training model FLOPs per token (see the module docstring), MTP included."""
     part = flops_per_token_by_part(m, seq_len)
@@ -107,4 +122,12 @@ def mfu(tokens_per_s_per_device: float, flops_token: float, peak: float | None) 
     return tokens_per_s_per_device * flops_token / (peak * 1e12)
 
 
-__all__ = ["PEAK_TFLOPS_BF16", "peak_tflops", "count_params", "flops_per_token", "flops_per_token_by_part", "mfu"]
+__all__ = [
+    "PEAK_TFLOPS_BF16",
+    "peak_tflops",
+    "count_params",
+    "flops_per_token",
+    "flops_per_token_by_part",
+    "fp8_flops_per_token",
+    "mfu",
+]

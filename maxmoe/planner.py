@@ -6,10 +6,15 @@
 xla.profile). The model, per device and per step; every assumption is a field of
 `Assumptions`:
 
-  compute     t_c = model FLOPs / (peak[precision] x compute_efficiency). compute_efficiency
-              is the one constant to calibrate: the fraction of dense peak the model's own
-              math reaches with no communication, measured on one GPU as proxy_1gpu's MFU
-              (benchmarks/gpu_suite.sh); until then 0.5. With pipeline stages t_c grows by
+  compute     t_c = (model FLOPs - FP8 FLOPs) / (peak[precision] x compute_efficiency)
+                    + FP8 FLOPs / (peak["fp8"] x compute_efficiency).
+              FP8 FLOPs: the GEMMs `model.fp8` runs in FP8 (maxmoe.flops.fp8_flops_per_token;
+              0 without it); the rest (attention core, router, head) at the precision's peak.
+              compute_efficiency is the one constant to calibrate: the fraction of dense peak
+              the model's own math reaches with no communication, measured on one GPU as
+              proxy_1gpu's MFU (benchmarks/gpu_suite.sh); until then 0.5, for FP8 GEMMs too
+              (their quantisation passes are not charged). MFU is against peak[precision].
+              With pipeline stages t_c grows by
               compute_scale (pipeline_compute_scale: the schedule's bubble and the busiest
               stage's extra work); the growth is the step part "pipeline bubble".
   collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link_efficiency[tier]).
@@ -108,13 +113,14 @@ class Collective:
 class Workload:
     """What one step costs one device."""
 
-    flops_per_device: float
+    flops_per_device: float  # model FLOPs
     tokens_per_step: int
     devices: int
     collectives: tuple[Collective, ...] = ()
     memory_bytes: float = 0.0  # compiled footprint, for the fits check
     optimizer_bytes: float = 0.0  # HBM bytes the optimizer update reads and writes
     compute_scale: float = 1.0  # pipeline stages: their compute time over the work's (pipeline_compute_scale)
+    fp8_flops_per_device: float = 0.0  # the part of flops_per_device that runs as FP8 GEMMs (model.fp8)
 
 
 DEFAULT_OVERLAP = (
@@ -182,7 +188,9 @@ def _label(c: Collective) -> str:
 def predict(w: Workload, system: System, a: Assumptions = Assumptions()) -> Prediction:
     """Step time and throughput of `w` on `system` under `a` (the module docstring's model)."""
     peak = system.peak_tflops(a.precision) * 1e12
-    t_compute = w.flops_per_device / (peak * a.compute_efficiency)
+    fp8_peak = system.peak_tflops("fp8") * 1e12
+    other = w.flops_per_device - w.fp8_flops_per_device
+    t_compute = (other / peak + w.fp8_flops_per_device / fp8_peak) / a.compute_efficiency
     contributions = {"compute": t_compute}
     if w.compute_scale != 1.0:
         contributions["pipeline bubble"] = t_compute * (w.compute_scale - 1.0)

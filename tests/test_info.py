@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.extend import core as jcore
 
 from maxmoe.config import load_config
 from maxmoe.convert.hf_config import model_config_from_hf
-from maxmoe.flops import count_params, flops_per_token
-from maxmoe.model.transformer import abstract_variables
+from maxmoe.flops import count_params, flops_per_token, fp8_flops_per_token
+from maxmoe.model.transformer import abstract_variables, build_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,6 +145,47 @@ def test_flops_per_token_hand_count_671b():
     mtp = 2 * D * D + attention + moe_active + D * V
     core = (LAYERS + 1) * 3 * t * HEADS * (NOPE + ROPE + V_HEAD)
     assert flops_per_token(model, t) == pytest.approx(6 * (main + mtp) + core, rel=1e-12)
+
+
+def _fp8_dot_flops(jaxpr) -> float:
+    """FLOPs of the dots with fp8 operands in a jaxpr: scans times their length, a cond its dearest branch."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        lhs = eqn.invars[0].aval if eqn.invars else None
+        fp8 = lhs is not None and "float8" in str(getattr(lhs, "dtype", ""))
+        if name == "dot_general" and fp8:
+            (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+            rhs = eqn.invars[1].aval.shape
+            free = math.prod(d for i, d in enumerate(rhs) if i not in rhs_contract and i not in rhs_batch)
+            total += 2 * math.prod(lhs.shape) * free
+        elif name == "ragged_dot_general" and fp8:  # forward: rows [M, K] x group weights -> [M, N]
+            total += 2 * math.prod(lhs.shape) * eqn.outvars[0].aval.shape[-1]
+        elif name == "cond":
+            total += max(_fp8_dot_flops(branch.jaxpr) for branch in eqn.params["branches"])
+        else:
+            times = eqn.params.get("length", 1) if name == "scan" else 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        total += times * _fp8_dot_flops(getattr(sub, "jaxpr", sub))
+    return total
+
+
+@pytest.mark.parametrize("recipe", ["none", "tensorwise", "blockwise"])
+def test_fp8_flops_per_token_equals_the_models_fp8_dots(recipe):
+    """The closed form against the fp8 dots of the model's traced forward pass, times 3 (forward,
+    dx, dw). tiny widened so every FP8 contraction spans whole 128-tiles; mxfp8's CPU program
+    multiplies dequantised f32 values, so its dots carry no fp8 dtype to count."""
+    widened = [f"model.{k}={v}" for k, v in (("hidden_size", 128), ("mlp_dim", 256), ("moe_mlp_dim", 128))]
+    widened += ["model.q_lora_rank=128", "model.kv_lora_rank=128", "model.v_head_dim=32"]
+    model = load_config([str(REPO / "configs/tiny.yaml")], widened + [f"model.fp8={recipe}"]).model
+    variables = {k: v for k, v in abstract_variables(model).items() if k in ("params", "router")}
+    tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+    forward = jax.make_jaxpr(lambda v, t: build_model(model).apply(v, t, mutable=["moe_stats"]))(variables, tokens)
+    assert 3 * _fp8_dot_flops(forward.jaxpr) == fp8_flops_per_token(model) * 2 * 64
+    if recipe != "none":  # the router, attention core, head and MTP projection are the rest
+        assert 0.5 < fp8_flops_per_token(model) / flops_per_token(model, 64) < 1.0
 
 
 def _model(name):

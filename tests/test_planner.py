@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from maxmoe.config import load_config
-from maxmoe.dry_run import as_on_gpu, pipeline_report
+from maxmoe.dry_run import as_on_gpu, pipeline_report, step_workload
 from maxmoe.flops import flops_per_token, flops_per_token_by_part
 from maxmoe.planner import (
     GB,
@@ -55,6 +55,33 @@ def test_pure_compute():
 def test_fp8_peak_halves_compute_time():
     p = predict(workload(), SYSTEM, Assumptions(compute_efficiency=0.5, precision="fp8"))
     assert p.step_s == pytest.approx(1.0)  # 1e15 / (2e15 x 0.5)
+
+
+def test_fp8_gemms_run_at_the_fp8_peak_and_the_rest_at_bf16():
+    # Half of 1e15 FLOP in FP8 GEMMs: 0.5e15 / 1e15 + 0.5e15 / 2e15 = 0.75 s of peak, 1.5 s at 0.5.
+    p = predict(workload(fp8_flops_per_device=0.5e15), SYSTEM, IDEAL)
+    assert p.step_s == pytest.approx(1.5)
+    assert p.tflops_per_gpu == pytest.approx(1000 / 1.5)
+    assert p.mfu == pytest.approx(1 / 1.5)  # against the bf16 peak
+    assert p.contributions["compute"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("recipe", ["none", "blockwise"])
+def test_dry_run_workload_splits_off_the_fp8_gemms(recipe):
+    """671B on 256 devices: the FP8 GEMMs' share of the FLOPs, by hand from the architecture
+    numbers (attention projections, dense MLPs, shared + 8 routed experts, main model and MTP)."""
+    files = [str(ROOT / "configs" / n) for n in ("deepseek_v3_671b.yaml", "mesh_256_h200.yaml")]
+    config = load_config(files, [f"model.fp8={recipe}"])
+    w = step_workload(config, [], 256, 0.0, None)
+    tokens = config.train.batch_size * config.train.seq_len
+    assert w.flops_per_device == pytest.approx(flops_per_token(config.model, config.train.seq_len) * tokens / 256)
+    d, q, kv, h = 7168, 1536, 512, 128
+    attention = d * q + q * h * 192 + d * (kv + 64) + kv * h * 256 + h * 128 * d
+    fp8 = 6 * ((61 + 1) * attention + 3 * 3 * d * 18432 + (58 + 1) * 9 * 3 * d * 2048)  # 61 layers + MTP
+    expected = 0.0 if recipe == "none" else fp8 * tokens / 256
+    assert w.fp8_flops_per_device == pytest.approx(expected, rel=1e-12)
+    bf16 = predict(dataclasses.replace(w, fp8_flops_per_device=0.0), SYSTEMS["h200"])
+    assert (predict(w, SYSTEMS["h200"]).step_s < bf16.step_s) == (recipe != "none")
 
 
 def test_once_per_step_cross_domain_traffic_is_exposed():
