@@ -113,15 +113,32 @@ def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernels: BlockwiseKernels | N
     if a_block[1] == 0:
         out = jax.lax.dot(aq, bq, preferred_element_type=jnp.float32)
         return out * a_rows * b_cols
+    if kernels:
+        return _kernel_gemm(aq, a_rows, bq, b_cols, kernels)
     blocks = a_scale.shape[1]
     pad = blocks * TILE - k
-    if kernels:
-        aq_MK = jnp.pad(aq, ((0, 0), (0, pad)))
-        bq_1NK = jnp.pad(bq, ((0, pad), (0, 0))).T[None]
-        return kernels.gemm(aq_MK, a_rows, bq_1NK, b_cols[None], jnp.full((1,), m, jnp.int32))
     aq_MBT = jnp.pad(aq, ((0, 0), (0, pad))).reshape(m, blocks, TILE)
     bq_BTN = jnp.pad(bq, ((0, pad), (0, 0))).reshape(blocks, TILE, n)
     return jax.lax.platform_dependent(aq_MBT, bq_BTN, a_rows, b_cols, cuda=_blocks_scanned, default=_blocks_batched)
+
+
+def _kernel_gemm(aq_MK, a_rows_MB, bq_KN, b_cols_BN, kernels: BlockwiseKernels):
+    """The block-scaled kernel GEMM (one group) of fp8 operands and their per-row / per-column
+    scales for each 128 of the contraction; K padded to whole tiles."""
+    pad = a_rows_MB.shape[1] * TILE - aq_MK.shape[1]
+    aq_MK = jnp.pad(aq_MK, ((0, 0), (0, pad)))
+    bq_1NK = jnp.pad(bq_KN, ((0, pad), (0, 0))).T[None]
+    return kernels.gemm(aq_MK, a_rows_MB, bq_1NK, b_cols_BN[None], jnp.full((1,), aq_MK.shape[0], jnp.int32))
+
+
+def blockwise_dot_quantized(a_MK, bq_KN, b_scale, kernels: BlockwiseKernels):
+    """a @ b in float32 for b given as e4m3 values with one scale per 128x128 block (quantize's
+    grid): a quantised per 1x128 tile, the product through the kernels' block-scaled GEMM.
+    Equal to scaled_dot(a, b, "blockwise", "forward" or "dgrad", kernels) when (bq, b_scale) =
+    quantize(b, E4M3, (128, 128))."""
+    aq, a_rows = quantize(a_MK, E4M3, (1, TILE))  # a scale per row and 128-tile: [M, Kb]
+    b_cols = expand_scales(b_scale, (b_scale.shape[0], bq_KN.shape[1]), (1, TILE))
+    return _kernel_gemm(aq, a_rows, bq_KN, b_cols, kernels)
 
 
 def _blocks_batched(aq_MBT, bq_BTN, a_rows_MB, b_cols_BN):
