@@ -153,8 +153,10 @@ def test_kernel_returns_the_requested_dtype_and_refuses_partial_contraction_bloc
         # two scale-up domains of 4 (replica=2 x expert=2 x tensor=2), ZeRO-1 across them
         ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=true", "mesh.scale_up_domain=4"]
         + ["mesh.across_domains=zero1"],
+        # FSDP over data with embed's 256 in whole 128-blocks a shard: those weights gather fp8 blocks
+        ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=true", "model.hidden_size=256"],
     ],
-    ids=["one-domain", "two-tier"],
+    ids=["one-domain", "two-tier", "fsdp-fp8-gather"],
 )
 def test_blockwise_train_step_runs_only_the_kernels_for_hopper(mesh):
     """On a Hopper target (grouped backend mosaic_gpu) every blockwise GEMM is one of maxmoe's
@@ -185,3 +187,5 @@ def test_blockwise_train_step_runs_only_the_kernels_for_hopper(mesh):
     xla_ops = [line for line in lines if "xla.gpu.triton" not in line]
     assert not [line for line in xla_ops if "ragged_dot" in line]
     assert not [line for line in xla_ops if "stablehlo.dot_general" in line and "f8E" in line]
+    fp8_gathers = [line for line in xla_ops if "all_gather" in line and "f8E4M3FN" in line]
+    assert bool(fp8_gathers) == ("model.hidden_size=256" in mesh)
