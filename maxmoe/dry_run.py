@@ -79,7 +79,8 @@ import time
 from maxmoe import planner
 from maxmoe.config import Config, ConfigError
 from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part, fp8_flops_per_token
-from maxmoe.hlo import collective_ops, dot_flops, summarize_ops
+from maxmoe.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
+from maxmoe.hlo_slices import sliced_elements
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
@@ -165,12 +166,19 @@ def pipeline_report(config: Config) -> dict | None:
     }
 
 
-def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
+def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> tuple[list[dict], list[str]]:
     """Rows of `collective_ops` with the bytes the GPU program moves where XLA:CPU differs; notes saying so.
 
-    XLA:CPU runs bf16 collectives in f32 (float normalisation): the dispatch's all-to-alls
-    and the gathers of the ZeRO-1 weights' bf16 copy (scope `compute_copy`: the two-tier
-    step's, the pipeline's outer weights) are counted at bf16 width. It also leaves the
+    An all-reduce whose result elements are only ever sliced to each device's 1/P
+    (`sliced`: maxmoe.hlo_slices.sliced_elements of the same HLO; the partitioner's reduction
+    of a sharded weight's gradient) is, on the GPU, a reduce-scatter of those elements (XLA:GPU's
+    reduce-scatter creator) in the dtype the slices hold: counted as one, half the bytes of
+    the all-reduce at that dtype's width (XLA:CPU reduces bf16 in f32 between two converts).
+
+    XLA:CPU runs bf16 collectives in f32 (float normalisation): the dispatch's all-to-alls,
+    the gathers of the ZeRO-1 weights' bf16 copy (scope `compute_copy`: the two-tier step's,
+    the pipeline's outer weights) and the reductions whose reducer it promoted from bf16 are
+    counted at bf16 width. It also leaves the
     ZeRO-1 gradient reduction across domains (scope `reduce_to_zero1`) as an all-reduce
     followed by a slice, which the GPU pipeline turns into a reduce-scatter: counted as one
     (half the bytes). With `moe.fp8_dispatch` it may run the e4m3 dispatch in f16 (no program
@@ -179,11 +187,20 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
     notes, corrected = [], []
     halve_bf16 = config.model.compute_dtype == "bfloat16"
     seen = set()
+    rows, scattered = _sliced_all_reduces(rows, sliced or {})
+    if scattered:
+        notes.append(
+            f"all-reduce + slice of the shards (XLA:CPU's weight-gradient reductions): {scattered / GB:.2f} GB "
+            "of all-reduce counted as the GPU's reduce-scatter, at the slices' dtype"
+        )
     for row in rows:
         names = row["op_name"]  # combined ops join their parts' names: look for the scope anywhere
         if halve_bf16 and row["dtype"] == "f32" and (row["kind"] == "all-to-all" or "compute_copy" in names):
             row = {**row, "dtype": "bf16", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
             seen.add("all-to-all" if row["kind"] == "all-to-all" else "compute_copy")
+        elif halve_bf16 and row["dtype"] == "f32" and row.get("promoted"):
+            row = {**row, "dtype": "bf16", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
+            seen.add("promoted")
         if config.moe.fp8_dispatch and row["kind"] == "all-to-all" and row["dtype"] == "f16":
             row = {**row, "dtype": "f8", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
             seen.add("fp8 all-to-all")
@@ -201,6 +218,10 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
             "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
             "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
         )
+    if "promoted" in seen:
+        notes.append(
+            "reductions XLA:CPU widened to f32 (a `_promoted` reducer: bf16 in the program) counted at bf16 width"
+        )
     if "fp8 all-to-all" in seen:
         notes.append("fp8 dispatch: XLA:CPU runs the e4m3 all-to-alls in f16; counted at e4m3 width")
     if "compute_copy" in seen:
@@ -214,6 +235,30 @@ def as_on_gpu(rows: list[dict], config: Config) -> tuple[list[dict], list[str]]:
             "slice, the GPU pipeline a reduce-scatter; counted as the reduce-scatter"
         )
     return corrected, notes
+
+
+def _sliced_all_reduces(rows: list[dict], sliced: dict) -> tuple[list[dict], float]:
+    """Each all-reduce row split into its elements that stay an all-reduce and a reduce-scatter
+    row of those only ever sliced (as_on_gpu); and the all-reduce bytes so converted."""
+    out, converted = [], 0.0
+    for row in rows:
+        parts = sliced.get(row.get("name")) if row["kind"] == "all-reduce" else None
+        moved = [(n, compiled, dtype) for n, compiled, dtype in parts or () if dtype is not None]
+        if not moved or row["peers"] < 2:
+            out.append(row)
+            continue
+        p = row["peers"]
+        ar_run = sum(n * DTYPE_BYTES[compiled] for n, compiled, _ in moved) * 2 * (p - 1) / p
+        rs_run = sum(n * DTYPE_BYTES[dtype] for n, _, dtype in moved) * (p - 1) / p
+        converted += ar_run * row["runs"]
+        left = row["bytes_per_run"] - ar_run
+        if left > 0:
+            out.append({**row, "bytes_per_run": left, "bytes": left * row["runs"]})
+        dtype = min((d for _, _, d in moved), key=DTYPE_BYTES.get)
+        out.append(
+            {**row, "kind": "reduce-scatter", "dtype": dtype, "bytes_per_run": rs_run, "bytes": rs_run * row["runs"]}
+        )
+    return out, converted
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,7 +370,7 @@ def dry_run_shape(
     text = compiled.as_text()
     dots = dot_flops(text)
     domain = device_domains(devices, shaped.mesh.scale_up_domain)
-    rows, notes = as_on_gpu(collective_ops(text, domain), shaped)
+    rows, notes = as_on_gpu(collective_ops(text, domain), shaped, sliced_elements(text, len(devices)))
     wire = summarize_ops(rows)
     by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
     by_pass = {name: dict(kinds) for name, kinds in wire["by_pass"].items()}

@@ -98,6 +98,8 @@ DTYPE_BYTES = {
     "f64": 8,
 }
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
+_PROMOTED_RE = re.compile(r"to_apply=%?[\w.\-]*promoted\b")  # float normalisation widened its reduction
+_NAME_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*[({]")
@@ -287,11 +289,12 @@ def pass_of(line: str) -> str:
 def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
     """One row per collective op of compiled HLO: what it moves per device and how often it runs per step.
 
-    Row keys: kind, runs (executions per step: enclosing loops' trip counts multiplied),
+    Row keys: name (the instruction's), kind, runs (executions per step: enclosing loops' trip counts multiplied),
     bytes_per_run and bytes (= bytes_per_run x runs; ring factors as in the module
     docstring), peers (largest replica group), cross_domain (a group spans scale-up
     domains), dtype (of the result), op_name (jax's, from the metadata; carries
-    jax.named_scope names) and pass (`pass_of`).
+    jax.named_scope names), pass (`pass_of`) and promoted (a reduction XLA:CPU's float
+    normalisation runs in f32 for a narrower program type: its reducer is a `_promoted` copy).
     """
     comps, times = computation_runs(hlo_text)
     n = len(device_domain)
@@ -320,6 +323,7 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
             op_name = _OP_NAME_RE.search(line)
             rows.append(
                 {
+                    "name": _NAME_RE.match(line).group(1),
                     "kind": kind,
                     "runs": int(runs),
                     "bytes_per_run": size * factor,
@@ -328,6 +332,7 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
                     "cross_domain": any(len({device_domain[i] for i in g if i < n}) > 1 for g in groups),
                     "dtype": _SHAPE_RE.search(result).group(1),
                     "op_name": op_name.group(1) if op_name else "",
+                    "promoted": bool(_PROMOTED_RE.search(line)),
                     "pass": pass_of(line),
                 }
             )
