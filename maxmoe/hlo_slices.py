@@ -19,7 +19,7 @@ import re
 from maxmoe.hlo import DTYPE_BYTES, computation_runs, replica_groups
 
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_ARRAY_RE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_ARRAY_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _PARAM_INDEX_RE = re.compile(r"^(\d+)\)")
 _TUPLE_INDEX_RE = re.compile(r"\bindex=(\d+)")
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -65,7 +65,6 @@ class _Computation:
         for instr in self.instrs.values():
             for operand in dict.fromkeys(instr.operands):
                 self.users.setdefault(operand, []).append(instr)
-
         self.parameters = {i.index: i for i in self.instrs.values() if i.index is not None}
 
 
