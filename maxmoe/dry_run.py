@@ -15,9 +15,9 @@ per device:
               per step the most frequent of those runs (1 under mesh.across_domains=zero1).
               Where XLA:CPU's program differs from the GPU's, the bytes are the GPU's:
               bf16 collectives (the dispatch's all-to-alls, the ZeRO-1 bf16 weight
-              gathers) at bf16 width, and the ZeRO-1 gradient reduction across domains,
-              which XLA:CPU leaves as all-reduce + slice, as the reduce-scatter the GPU
-              pipeline makes of it (`as_on_gpu`). The same bytes split by pass
+              gathers, reductions whose reducer XLA:CPU promoted) at bf16 width, and the
+              gradient reductions XLA:CPU leaves as all-reduce + slice of the shards as the
+              reduce-scatters the GPU pipeline makes of them (`as_on_gpu`). The same bytes split by pass
               (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
@@ -45,9 +45,10 @@ per device:
               maxmoe.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
               free, the end stages' extra work only on those stages.
   prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
-              GPU and bound from these FLOPs (those of the FP8 GEMMs apart: step_workload), collectives (as the GPU moves them, by tier and
-              by whether they run once per step) and memory, and the per-GPU retention if
-              the replicas (cross-domain groups) grew 4-fold.
+              GPU and bound from these FLOPs (those of the FP8 GEMMs apart: step_workload),
+              collectives (as the GPU moves them, by tier and by whether they run once per
+              step) and memory, and the per-GPU retention if the replicas (cross-domain
+              groups) grew 4-fold.
 The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
 whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
 its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
@@ -178,10 +179,8 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
     XLA:CPU runs bf16 collectives in f32 (float normalisation): the dispatch's all-to-alls,
     the gathers of the ZeRO-1 weights' bf16 copy (scope `compute_copy`: the two-tier step's,
     the pipeline's outer weights) and the reductions whose reducer it promoted from bf16 are
-    counted at bf16 width. It also leaves the
-    ZeRO-1 gradient reduction across domains (scope `reduce_to_zero1`) as an all-reduce
-    followed by a slice, which the GPU pipeline turns into a reduce-scatter: counted as one
-    (half the bytes). With `moe.fp8_dispatch` it may run the e4m3 dispatch in f16 (no program
+    counted at bf16 width. A cross-domain ZeRO-1 gradient reduction (scope `reduce_to_zero1`)
+    still left an all-reduce is counted as the reduce-scatter (half the bytes). With `moe.fp8_dispatch` it may run the e4m3 dispatch in f16 (no program
     of maxmoe has f16 values otherwise): counted at e4m3's byte a value.
     """
     notes, corrected = [], []
@@ -216,7 +215,8 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
     if "all-to-all" in seen:
         notes.append(
             "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
-            "compiled (f32 gradients and params; tensor-axis activation all-reduces are an upper bound)"
+            "compiled unless a note below says otherwise (f32 params; tensor-axis activation all-reduces "
+            "are an upper bound)"
         )
     if "promoted" in seen:
         notes.append(
