@@ -43,13 +43,18 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
+def _weight_entries(w_spec: PartitionSpec) -> tuple:
+    """The two entries (K, N) of a weight's spec, a missing one whole."""
+    return tuple(w_spec) + (None,) * (2 - len(tuple(w_spec)))
+
+
 def projection_specs(x_spec: PartitionSpec, w_spec: PartitionSpec, x_ndim: int):
     """(x, w, y) PartitionSpecs of the shard_map and the axes y is summed over."""
     x_entries = tuple(x_spec) + (None,) * (x_ndim - len(tuple(x_spec)))
     batch = x_entries[:-1]
     k_axes = axes_of(x_entries[-1])
     used = {a for entry in batch for a in axes_of(entry)} | set(k_axes)
-    w_entries = tuple(w_spec) + (None,) * (2 - len(tuple(w_spec)))
+    w_entries = _weight_entries(w_spec)
     n_axes = tuple(a for a in axes_of(w_entries[1]) if a not in used)
     k, n = _entry(k_axes), _entry(n_axes)
     return PartitionSpec(*batch, k), PartitionSpec(k, n), PartitionSpec(*batch, n), k_axes
@@ -61,9 +66,8 @@ def fp8_gather_axes(mesh, x_in: PartitionSpec, w_spec: PartitionSpec, w_in: Part
     not split the batch, axes kept that are not the major ones (the gather would interleave),
     or a shard that is not whole 128-blocks along a gathered dimension."""
     batch_axes = {a for entry in tuple(x_in)[:-1] for a in axes_of(entry)}
-    w_entries = tuple(w_spec) + (None,) * (2 - len(tuple(w_spec)))
     gather = []
-    for size, entry, kept_entry in zip(w_shape, w_entries, tuple(w_in)):
+    for size, entry, kept_entry in zip(w_shape, _weight_entries(w_spec), tuple(w_in)):
         axes, kept = axes_of(entry), axes_of(kept_entry)
         if axes[: len(kept)] != kept:
             return None
@@ -134,7 +138,7 @@ def sharded_fp8_projection(mesh, x_spec: PartitionSpec, w_spec: PartitionSpec, r
                 y = _gathered_dense(x.reshape(-1, x.shape[-1]), w_kn, gather, kernels).reshape(*x.shape[:-1], n)
             return jax.lax.psum(y, k_axes) if k_axes else y
 
-        w_layout = w_in if gather is None else PartitionSpec(*(tuple(w_spec) + (None,) * (2 - len(tuple(w_spec)))))
+        w_layout = w_in if gather is None else PartitionSpec(*_weight_entries(w_spec))
         return shard_map_in_context(body, mesh=mesh, in_specs=(x_in, w_layout), out_specs=y_out)(x, w_KN)
 
     return run
