@@ -17,8 +17,8 @@ per device:
               bf16 collectives (the dispatch's all-to-alls, the ZeRO-1 bf16 weight
               gathers, reductions whose reducer XLA:CPU promoted) at bf16 width, and the
               gradient reductions XLA:CPU leaves as all-reduce + slice of the shards as the
-              reduce-scatters the GPU pipeline makes of them (`as_on_gpu`). The same bytes split by pass
-              (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
+              reduce-scatters the GPU pipeline makes of them (`as_on_gpu`). The same bytes
+              split by pass (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
   flops       analytic model FLOPs per device per step (maxmoe.flops), and the dot and
@@ -180,8 +180,9 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
     the gathers of the ZeRO-1 weights' bf16 copy (scope `compute_copy`: the two-tier step's,
     the pipeline's outer weights) and the reductions whose reducer it promoted from bf16 are
     counted at bf16 width. A cross-domain ZeRO-1 gradient reduction (scope `reduce_to_zero1`)
-    still left an all-reduce is counted as the reduce-scatter (half the bytes). With `moe.fp8_dispatch` it may run the e4m3 dispatch in f16 (no program
-    of maxmoe has f16 values otherwise): counted at e4m3's byte a value.
+    still left an all-reduce is counted as the reduce-scatter (half the bytes). With
+    `moe.fp8_dispatch` XLA:CPU may run the e4m3 dispatch in f16 (no program of maxmoe has f16
+    values otherwise): counted at e4m3's byte a value.
     """
     notes, corrected = [], []
     halve_bf16 = config.model.compute_dtype == "bfloat16"
@@ -194,14 +195,17 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
         )
     for row in rows:
         names = row["op_name"]  # combined ops join their parts' names: look for the scope anywhere
-        if halve_bf16 and row["dtype"] == "f32" and (row["kind"] == "all-to-all" or "compute_copy" in names):
-            row = {**row, "dtype": "bf16", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
-            seen.add("all-to-all" if row["kind"] == "all-to-all" else "compute_copy")
-        elif halve_bf16 and row["dtype"] == "f32" and row.get("promoted"):
-            row = {**row, "dtype": "bf16", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
-            seen.add("promoted")
+        if halve_bf16 and row["dtype"] == "f32":
+            widened = (
+                "all-to-all" if row["kind"] == "all-to-all" else
+                "compute_copy" if "compute_copy" in names else
+                "promoted" if row.get("promoted") else None
+            )  # fmt: skip
+            if widened:
+                row = _halved(row, "bf16")
+                seen.add(widened)
         if config.moe.fp8_dispatch and row["kind"] == "all-to-all" and row["dtype"] == "f16":
-            row = {**row, "dtype": "f8", "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
+            row = _halved(row, "f8")
             seen.add("fp8 all-to-all")
         if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in names:
             row = {
@@ -235,6 +239,11 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
             "slice, the GPU pipeline a reduce-scatter; counted as the reduce-scatter"
         )
     return corrected, notes
+
+
+def _halved(row: dict, dtype: str) -> dict:
+    """`row` moving values of half the width: `dtype` instead of the compiled one."""
+    return {**row, "dtype": dtype, "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
 
 
 def _sliced_all_reduces(rows: list[dict], sliced: dict) -> tuple[list[dict], float]:

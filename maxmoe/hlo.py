@@ -108,9 +108,14 @@ _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
+def array_types(text: str) -> list[tuple[str, int]]:
+    """(dtype, elements) of each array type written in `text` ('f32[8,4]' -> ('f32', 32)), in order."""
+    return [(t, math.prod(int(d) for d in dims.split(",") if d)) for t, dims in _SHAPE_RE.findall(text)]
+
+
 def shape_bytes(text: str) -> list[int]:
     """Bytes of each array type written in `text` ('f32[8,4]' -> 128), in order."""
-    return [DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE_RE.findall(text)]
+    return [DTYPE_BYTES[t] * n for t, n in array_types(text)]
 
 
 def replica_groups(line: str, num_devices: int) -> list[list[int]]:

@@ -13,13 +13,11 @@ program reduces in.
 
 from __future__ import annotations
 
-import math
 import re
 
-from maxmoe.hlo import DTYPE_BYTES, computation_runs, replica_groups
+from maxmoe.hlo import DTYPE_BYTES, array_types, computation_runs, replica_groups
 
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_ARRAY_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _PARAM_INDEX_RE = re.compile(r"^(\d+)\)")
 _TUPLE_INDEX_RE = re.compile(r"\bindex=(\d+)")
 _CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -49,11 +47,6 @@ def _operand_text(rest: str) -> str:
     return rest
 
 
-def _arrays(result: str) -> list[tuple[str, int]]:
-    """(dtype, elements) of each array in a result type, tuple elements in order."""
-    return [(t, math.prod(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY_RE.findall(result)]
-
-
 class _Computation:
     def __init__(self, lines: list[str]):
         self.instrs: dict[str, _Instr] = {}
@@ -80,7 +73,7 @@ def sliced_elements(hlo_text: str, num_devices: int) -> dict[str, list[tuple[int
             if instr.op != "all-reduce":
                 continue
             peers = max(len(g) for g in replica_groups(instr.line, num_devices))
-            arrays = _arrays(instr.result)
+            arrays = array_types(instr.result)
             if len(arrays) == 1:
                 dtype, elements = arrays[0]
                 below = _slice_dtype(parsed, [(comp, instr.name)], elements, peers)
@@ -125,12 +118,12 @@ def _slice_dtype(parsed, values, elements: int, peers: int, depth: int = 0, oute
             outer_comp, fusion = outer[-1]
             found.append(_slice_dtype(parsed, [(outer_comp, fusion)], elements, peers, depth + 1, outer[:-1]))
         for user in users:
-            own = _arrays(user.result)[0][0] if _arrays(user.result) else None
+            own, count = (array_types(user.result) or [(None, 0)])[0]
             if user.op == "dynamic-slice" and user.operands[0] == name:
-                found.append(own if _arrays(user.result)[0][1] * peers == elements else None)
+                found.append(own if count * peers == elements else None)
             elif user.op in _PASS_THROUGH:
                 below = _slice_dtype(parsed, [(comp, user.name)], elements, peers, depth + 1, outer)
-                found.append(below and _narrowest((own, below)))
+                found.append(_through(own, below))
             elif user.op == "fusion" and _CALLS_RE.search(user.line):
                 callee = parsed.get(_CALLS_RE.search(user.line).group(1))
                 params = [

@@ -89,6 +89,9 @@ def test_fp8_blocks_gathered_over_two_axes_give_the_one_device_product(fp8_kerne
     dx, dw = vjp(put(dy, P(("data", "expert"), None, None)))
     y_ref, vjp_ref = jax.vjp(lambda x, w: fp8_matmul(x, w, "blockwise", kernels), x, w)
     dx_ref, dw_ref = vjp_ref(dy)
+    # Measured: y 1.4e-7 and dx 7e-8 of their largest elements (float32 sums of the two K
+    # halves in another order), dw equal. A block gathered into the wrong place or a
+    # reduce-scatter that drops or repeats a shard is off by the values themselves.
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
 

@@ -134,8 +134,7 @@ def sharded_fp8_projection(mesh, x_spec: PartitionSpec, w_spec: PartitionSpec, r
                 y = fp8_matmul(x, w_kn, recipe, kernels)
             else:
                 x, w_kn = vary_alike(x, w_kn)
-                n = w_KN.shape[1] // math.prod(mesh.shape[a] for a in axes_of(w_in[1]))
-                y = _gathered_dense(x.reshape(-1, x.shape[-1]), w_kn, gather, kernels).reshape(*x.shape[:-1], n)
+                y = _gathered_dense(x.reshape(-1, x.shape[-1]), w_kn, gather, kernels).reshape(*x.shape[:-1], -1)
             return jax.lax.psum(y, k_axes) if k_axes else y
 
         w_layout = w_in if gather is None else PartitionSpec(*_weight_entries(w_spec))
