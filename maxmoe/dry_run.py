@@ -14,10 +14,11 @@ per device:
               of more than one scale-up domain; `cross_domain_max_runs` is how many times
               per step the most frequent of those runs (1 under mesh.across_domains=zero1).
               Where XLA:CPU's program differs from the GPU's, the bytes are the GPU's:
-              bf16 collectives (the dispatch's all-to-alls, the ZeRO-1 bf16 weight
-              gathers, reductions whose reducer XLA:CPU promoted) at bf16 width, and the
-              gradient reductions XLA:CPU leaves as all-reduce + slice of the shards as the
-              reduce-scatters the GPU pipeline makes of them (`as_on_gpu`). The same bytes
+              collectives of bf16 values XLA:CPU runs in f32 (every gather of bf16
+              weights, the dispatch's rows, reductions whose reducer it promoted) at bf16
+              width, and the gradient reductions XLA:CPU leaves as all-reduce + slice of
+              the shards as the reduce-scatters the GPU pipeline makes of them
+              (`as_on_gpu`). The same bytes
               split by pass (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
@@ -82,6 +83,7 @@ from maxmoe.config import Config, ConfigError
 from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part, fp8_flops_per_token
 from maxmoe.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
 from maxmoe.hlo_slices import sliced_elements
+from maxmoe.hlo_widened import MOVING, narrowed_operands
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
@@ -167,7 +169,9 @@ def pipeline_report(config: Config) -> dict | None:
     }
 
 
-def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> tuple[list[dict], list[str]]:
+def as_on_gpu(
+    rows: list[dict], config: Config, sliced: dict | None = None, narrowed: dict | None = None
+) -> tuple[list[dict], list[str]]:
     """Rows of `collective_ops` with the bytes the GPU program moves where XLA:CPU differs; notes saying so.
 
     An all-reduce whose result elements are only ever sliced to each device's 1/P
@@ -176,13 +180,13 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
     reduce-scatter creator) in the dtype the slices hold: counted as one, half the bytes of
     the all-reduce at that dtype's width (XLA:CPU reduces bf16 in f32 between two converts).
 
-    XLA:CPU runs bf16 collectives in f32 (float normalisation): the dispatch's all-to-alls,
-    the gathers of the ZeRO-1 weights' bf16 copy (scope `compute_copy`: the two-tier step's,
-    the pipeline's outer weights) and the reductions whose reducer it promoted from bf16 are
-    counted at bf16 width. A cross-domain ZeRO-1 gradient reduction (scope `reduce_to_zero1`)
-    still left an all-reduce is counted as the reduce-scatter (half the bytes). With
-    `moe.fp8_dispatch` XLA:CPU may run the e4m3 dispatch in f16 (no program of maxmoe has f16
-    values otherwise): counted at e4m3's byte a value.
+    XLA:CPU runs bf16 collectives in f32 (float normalisation). A gather, all-to-all or permute
+    whose operands' values passed through a narrower float type (`narrowed`:
+    maxmoe.hlo_widened.narrowed_operands of the same HLO: bf16 weights gathered for a GEMM,
+    the dispatch's rows; with `moe.fp8_dispatch` the e4m3 rows XLA:CPU sends as f16) is
+    counted at that type's width, and a reduction whose reducer XLA:CPU promoted from bf16 at
+    bf16's. A cross-domain ZeRO-1 gradient reduction (scope `reduce_to_zero1`) still left an
+    all-reduce is counted as the reduce-scatter (half the bytes).
     """
     notes, corrected = [], []
     halve_bf16 = config.model.compute_dtype == "bfloat16"
@@ -193,21 +197,16 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
             f"all-reduce + slice of the shards (XLA:CPU's weight-gradient reductions): {scattered / GB:.2f} GB "
             "of all-reduce counted as the GPU's reduce-scatter, at the slices' dtype"
         )
+    narrowed = narrowed or {}
     for row in rows:
-        names = row["op_name"]  # combined ops join their parts' names: look for the scope anywhere
-        if halve_bf16 and row["dtype"] == "f32":
-            widened = (
-                "all-to-all" if row["kind"] == "all-to-all" else
-                "compute_copy" if "compute_copy" in names else
-                "promoted" if row.get("promoted") else None
-            )  # fmt: skip
-            if widened:
-                row = _halved(row, "bf16")
-                seen.add(widened)
-        if config.moe.fp8_dispatch and row["kind"] == "all-to-all" and row["dtype"] == "f16":
-            row = _halved(row, "f8")
-            seen.add("fp8 all-to-all")
-        if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in names:
+        parts = narrowed.get(row.get("name")) if row["kind"] in MOVING else None
+        if parts:
+            row = _narrowed(row, parts)
+            seen.add("narrowed")
+        elif halve_bf16 and row["dtype"] == "f32" and row.get("promoted"):
+            row = _halved(row, "bf16")
+            seen.add("promoted")
+        if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in row["op_name"]:
             row = {
                 **row,
                 "kind": "reduce-scatter",
@@ -216,22 +215,15 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
             }
             seen.add("reduce_to_zero1")
         corrected.append(row)
-    if "all-to-all" in seen:
+    if "narrowed" in seen:
         notes.append(
-            "all-to-all: counted at bf16 width (XLA:CPU runs bf16 collectives in f32); other kinds as "
-            "compiled unless a note below says otherwise (f32 params; tensor-axis activation all-reduces "
-            "are an upper bound)"
+            "gathers and all-to-alls of bf16 (fp8) values that XLA:CPU runs in f32 (f16): counted at the values' "
+            "width, as the GPU moves them; other f32 collectives as compiled (f32 params; tensor-axis activation "
+            "all-reduces are an upper bound)"
         )
     if "promoted" in seen:
         notes.append(
             "reductions XLA:CPU widened to f32 (a `_promoted` reducer: bf16 in the program) counted at bf16 width"
-        )
-    if "fp8 all-to-all" in seen:
-        notes.append("fp8 dispatch: XLA:CPU runs the e4m3 all-to-alls in f16; counted at e4m3 width")
-    if "compute_copy" in seen:
-        notes.append(
-            "ZeRO-1 weight gathers (two-tier step or pipeline outer weights, scope compute_copy): counted at bf16 "
-            "width, as the GPU moves them"
         )
     if "reduce_to_zero1" in seen:
         notes.append(
@@ -239,6 +231,14 @@ def as_on_gpu(rows: list[dict], config: Config, sliced: dict | None = None) -> t
             "slice, the GPU pipeline a reduce-scatter; counted as the reduce-scatter"
         )
     return corrected, notes
+
+
+def _narrowed(row: dict, parts: list[tuple[int, str, str]]) -> dict:
+    """`row` moving each operand's values at the width of the narrowest type they passed through."""
+    compiled = sum(b for b, _, _ in parts)
+    scale = sum(b * DTYPE_BYTES[narrow] / DTYPE_BYTES[dtype] for b, dtype, narrow in parts) / compiled
+    dtype = min((narrow for _, _, narrow in parts), key=DTYPE_BYTES.get)
+    return {**row, "dtype": dtype, "bytes": row["bytes"] * scale, "bytes_per_run": row["bytes_per_run"] * scale}
 
 
 def _halved(row: dict, dtype: str) -> dict:
@@ -379,7 +379,9 @@ def dry_run_shape(
     text = compiled.as_text()
     dots = dot_flops(text)
     domain = device_domains(devices, shaped.mesh.scale_up_domain)
-    rows, notes = as_on_gpu(collective_ops(text, domain), shaped, sliced_elements(text, len(devices)))
+    rows, notes = as_on_gpu(
+        collective_ops(text, domain), shaped, sliced_elements(text, len(devices)), narrowed_operands(text)
+    )
     wire = summarize_ops(rows)
     by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
     by_pass = {name: dict(kinds) for name, kinds in wire["by_pass"].items()}

@@ -20,7 +20,7 @@ from maxmoe.hlo import DTYPE_BYTES, array_types, computation_runs, replica_group
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _PARAM_INDEX_RE = re.compile(r"^(\d+)\)")
 _TUPLE_INDEX_RE = re.compile(r"\bindex=(\d+)")
-_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
+CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 _PASS_THROUGH = ("bitcast", "copy", "convert", "reshape")
 _MAX_DEPTH = 12
 
@@ -61,12 +61,17 @@ class _Computation:
         self.parameters = {i.index: i for i in self.instrs.values() if i.index is not None}
 
 
+def parse_computations(hlo_text: str) -> dict[str, _Computation]:
+    """Every computation of compiled HLO, its instructions by name, their users and parameters."""
+    comps, _ = computation_runs(hlo_text)
+    return {name: _Computation(lines) for name, lines in comps.items()}
+
+
 def sliced_elements(hlo_text: str, num_devices: int) -> dict[str, list[tuple[int, str, str | None]]]:
     """For each all-reduce of compiled HLO (by instruction name, as maxmoe.hlo.collective_ops'
     rows name them): per result element, (elements, its dtype, the dtype its slices hold: the
     narrowest on the way; None where some use is not a 1/P dynamic slice)."""
-    comps, _ = computation_runs(hlo_text)
-    parsed = {name: _Computation(lines) for name, lines in comps.items()}
+    parsed = parse_computations(hlo_text)
     out = {}
     for comp in parsed.values():
         for instr in comp.instrs.values():
@@ -124,8 +129,8 @@ def _slice_dtype(parsed, values, elements: int, peers: int, depth: int = 0, oute
             elif user.op in _PASS_THROUGH:
                 below = _slice_dtype(parsed, [(comp, user.name)], elements, peers, depth + 1, outer)
                 found.append(_through(own, below))
-            elif user.op == "fusion" and _CALLS_RE.search(user.line):
-                callee = parsed.get(_CALLS_RE.search(user.line).group(1))
+            elif user.op == "fusion" and CALLS_RE.search(user.line):
+                callee = parsed.get(CALLS_RE.search(user.line).group(1))
                 params = [
                     callee.parameters.get(i) if callee else None for i, o in enumerate(user.operands) if o == name
                 ]

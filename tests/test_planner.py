@@ -195,36 +195,41 @@ def test_hlo_rows_group_by_tier_kind_and_phase():
 def test_dry_run_counts_what_the_gpu_moves():
     config = load_config([str(ROOT / "configs" / "tiny.yaml")], ["model.compute_dtype=bfloat16"])
 
-    def row(kind, dtype, op_name, cross=True):
-        return {"kind": kind, "runs": 1, "bytes": 8.0, "bytes_per_run": 8.0, "peers": 4, "cross_domain": cross,
-                "dtype": dtype, "op_name": op_name, "pass": "other"}  # fmt: skip
+    def row(name, kind, dtype, op_name, cross=True, promoted=False):
+        return {"name": name, "kind": kind, "runs": 1, "bytes": 8.0, "bytes_per_run": 8.0, "peers": 4,
+                "cross_domain": cross, "dtype": dtype, "op_name": op_name, "pass": "other",
+                "promoted": promoted}  # fmt: skip
 
+    # maxmoe.hlo_widened.narrowed_operands of the HLO: (operand bytes, compiled, narrowest on the way)
+    narrowed = {
+        "ag": [(8, "f32", "bf16")],  # a bf16 weight copy XLA:CPU gathers in f32
+        "a2a": [(4, "f32", "bf16"), (4, "f32", "f32")],  # a combined op, one operand bf16 values
+        "fp8": [(8, "f16", "f8e4m3fn")],  # moe.fp8_dispatch's e4m3 rows, sent as f16
+        "ar": [(8, "f32", "bf16")],  # a reduction: its reducer says, not its operand
+    }
     rows, notes = as_on_gpu(
         [
-            row("all-gather", "f32", "jit(train_step)/compute_copy/sharding_constraint"),  # bf16 on the GPU
-            row("all-gather", "f32", "jit(train_step)/float32_copy/sharding_constraint"),  # f32 there too
-            row("all-reduce", "f32", "jit(train_step)/(reduce_sum:reduce_to_zero1/reduce_sum:reduce_to_zero1)"),
-            row("all-reduce", "f32", "jit(train_step)/reduce_sum"),  # a scalar, stays an all-reduce
-            row("all-to-all", "f32", "jit(train_step)/moe", cross=False),
+            row("ag", "all-gather", "f32", "jit(train_step)/compute_copy/sharding_constraint"),
+            row("ag32", "all-gather", "f32", "jit(train_step)/float32_copy/sharding_constraint"),  # f32 values
+            row("a2a", "all-to-all", "f32", "jit(train_step)/moe", cross=False),
+            row("fp8", "all-to-all", "f16", "jit(train_step)/moe", cross=False),
+            row("z1", "all-reduce", "f32", "jit(train_step)/(reduce_sum:reduce_to_zero1/reduce_sum:reduce_to_zero1)"),
+            row("ar", "all-reduce", "f32", "jit(train_step)/reduce_sum", promoted=True),
+            row("sum", "all-reduce", "f32", "jit(train_step)/reduce_sum"),  # a scalar, stays an all-reduce
         ],
         config,
+        narrowed=narrowed,
     )
     assert [(r["kind"], r["dtype"], r["bytes"]) for r in rows] == [
         ("all-gather", "bf16", 4.0),
         ("all-gather", "f32", 8.0),
+        ("all-to-all", "bf16", 6.0),
+        ("all-to-all", "f8e4m3fn", 4.0),
         ("reduce-scatter", "f32", 4.0),
+        ("all-reduce", "bf16", 4.0),
         ("all-reduce", "f32", 8.0),
-        ("all-to-all", "bf16", 4.0),
     ]
     assert len(notes) == 3
-    # moe.fp8_dispatch: XLA:CPU may run the e4m3 dispatch in f16; the GPU moves a byte a value
-    fp8 = load_config(
-        [str(ROOT / "configs" / "tiny.yaml")],
-        ["model.compute_dtype=bfloat16", "model.fp8=blockwise", "moe.fp8_dispatch=true"],
-    )
-    dispatch = [row("all-to-all", "f16", "jit(train_step)/moe", cross=False)]
-    assert [(r["dtype"], r["bytes"]) for r in as_on_gpu(dispatch, fp8)[0]] == [("f8", 4.0)]
-    assert [(r["dtype"], r["bytes"]) for r in as_on_gpu(dispatch, config)[0]] == [("f16", 8.0)]
 
 
 def test_system_table():

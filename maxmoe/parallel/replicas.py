@@ -100,8 +100,7 @@ def compute_copy(master: Any, zero1: Any, in_domain: Any, keep_f32: Any, dtype, 
     or across pipeline stages with axis="pipeline"), then the in-domain sharding (in-domain
     all-gathers of the axes the optimizer adds). Leaves whose `keep_f32` is True stay
     float32 (the model uses them so). Named scopes mark these gathers in the compiled
-    program's metadata: `compute_copy` (cast) and `float32_copy` (kept), so byte counts can
-    tell their widths apart.
+    program's metadata: `compute_copy` (cast) and `float32_copy` (kept).
     """
 
     def one(p, z, d, keep):
