@@ -105,7 +105,7 @@ def _gathered_dense_bwd(gather, kernels, saved, dy_MN):
     x_MK, w_kn = saved
     wq_KN, scale = _gathered_blocks(w_kn, gather)  # gathered again, as FSDP does, not kept
     dx_MK = blockwise_dot_quantized(dy_MN, wq_KN.T, scale.T, kernels)
-    dw_KN = scaled_dot(x_MK.T, dy_MN, "blockwise", "wgrad", kernels).astype(w_kn.dtype)
+    dw_KN = scaled_dot(x_MK.T, dy_MN, "blockwise", "wgrad", kernels, w_kn.dtype)
     for dim, axes in enumerate(gather):
         if axes:
             dw_KN = jax.lax.psum_scatter(dw_KN, axes, scatter_dimension=dim, tiled=True)

@@ -8,7 +8,7 @@ values with float32 accumulation, and rescales (`maxmoe.parallel.fp8_quant` has 
 |---|---|---|---|---|
 | tensorwise | e4m3 x e4m3 | e5m2 x e4m3 | e4m3 x e5m2 | one dot of fp8 operands (cuBLASLt on Hopper) |
 | blockwise | e4m3 1x128 x 128x128 | same, w^T's blocks | e4m3 128x1 x 128x1 | one fp8 dot per 128 of the contraction, scaled and summed in f32 (on CUDA one block at a time) |
-| mxfp8 | e4m3 1x32 x 32x1, e8m0 scales | same | same | `jax.nn.scaled_matmul` on CUDA; elsewhere the dequantised values, exact in f32 |
+| mxfp8 | e4m3 1x32 x 32x1, e8m0 scales | same | same | `jax.nn.scaled_matmul` on CUDA; elsewhere the dequantised values (exact in bf16 and f32) |
 
 Blockwise is DeepSeek-V3's recipe: a scale per 1x128 activation tile and per 128x128 weight
 block changes along the contraction every 128 elements, so the program multiplies each
@@ -95,14 +95,19 @@ GEMMS = {
 }
 
 
-def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernels: BlockwiseKernels | None = None):
-    """a @ b in float32 through `recipe`'s fp8 `gemm` ('forward', 'dgrad' or 'wgrad').
+def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernels: BlockwiseKernels | None = None, out_dtype=jnp.float32):
+    """a @ b through `recipe`'s fp8 `gemm` ('forward', 'dgrad' or 'wgrad'), accumulated in float32
+    and returned in `out_dtype` (one rounding).
 
     kernels: blockwise through their block-scaled GEMM (one group): on one device's shard only
     (maxmoe.parallel.fp8_dense), where XLA need not partition the kernel call.
     """
     if recipe == "mxfp8":
-        return _mx_dot(a_MK, b_KN)
+        return _mx_dot(a_MK, b_KN, out_dtype)
+    return _scaled_f32(a_MK, b_KN, recipe, gemm, kernels).astype(out_dtype)
+
+
+def _scaled_f32(a_MK, b_KN, recipe: str, gemm: str, kernels: BlockwiseKernels | None):
     a_dtype, a_block, b_dtype, b_block = GEMMS[recipe][gemm]
     aq, a_scale = quantize(a_MK, a_dtype, a_block)
     bq, b_scale = quantize(b_KN, b_dtype, b_block)
@@ -159,8 +164,17 @@ def _blocks_scanned(aq_MBT, bq_BTN, a_rows_MB, b_cols_BN):
     return sum_over_blocks(add_block, (aq_MBT.transpose(1, 0, 2), bq_BTN, a_rows_MB.T, b_cols_BN))
 
 
-def _mx_dot(a_MK, b_KN):
-    """MXFP8 a @ b: jax.nn.scaled_matmul (cuDNN) on CUDA, the exact dequantised product elsewhere."""
+def _mx_dot(a_MK, b_KN, out_dtype):
+    """MXFP8 a @ b in `out_dtype`: jax.nn.scaled_matmul (cuDNN) on CUDA, the exact dequantised
+    product elsewhere.
+
+    The GEMM writes `out_dtype` itself, so that where the partitioner sums it over shards
+    (a weight gradient over the batch, a row-parallel output) the sum moves that dtype, as
+    `none`'s bf16 dots do, not float32. The emulation dequantises into `out_dtype` (an e4m3
+    value times a power of two is exact in bfloat16), so an FSDP weight it gathers is that
+    wide too (the GPU's custom partitioning of scaled_matmul gathers the e4m3 values and
+    e8m0 scales, about half that).
+    """
     k = a_MK.shape[1]
     pad = -k % MX_BLOCK  # scaled_matmul infers the block from K / scales: K must be whole blocks
     a_MK = jnp.pad(a_MK, ((0, 0), (0, pad)))
@@ -170,13 +184,13 @@ def _mx_dot(a_MK, b_KN):
 
     def native(aq, a_scale, bq, b_scale):
         e8m0 = jnp.float8_e8m0fnu
-        out = jax.nn.scaled_matmul(aq[None], bq.T[None], a_scale.astype(e8m0)[None], b_scale.T.astype(e8m0)[None])
-        return out[0].astype(jnp.float32)
+        a_scale, b_scale = a_scale.astype(e8m0)[None], b_scale.T.astype(e8m0)[None]
+        return jax.nn.scaled_matmul(aq[None], bq.T[None], a_scale, b_scale, preferred_element_type=out_dtype)[0]
 
     def emulated(aq, a_scale, bq, b_scale):
-        a = aq.astype(jnp.float32) * jnp.repeat(a_scale, MX_BLOCK, axis=1)
-        b = bq.astype(jnp.float32) * jnp.repeat(b_scale, MX_BLOCK, axis=0)
-        return jax.lax.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        a = aq.astype(out_dtype) * jnp.repeat(a_scale, MX_BLOCK, axis=1).astype(out_dtype)
+        b = bq.astype(out_dtype) * jnp.repeat(b_scale, MX_BLOCK, axis=0).astype(out_dtype)
+        return jax.lax.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype)
 
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
@@ -197,7 +211,7 @@ def fp8_matmul(x, w_KN, recipe: str, kernels: BlockwiseKernels | None = None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _dense(x_MK, w_KN, recipe, kernels):
-    return scaled_dot(x_MK, w_KN, recipe, "forward", kernels).astype(x_MK.dtype)
+    return scaled_dot(x_MK, w_KN, recipe, "forward", kernels, x_MK.dtype)
 
 
 def _dense_fwd(x_MK, w_KN, recipe, kernels):
@@ -206,9 +220,9 @@ def _dense_fwd(x_MK, w_KN, recipe, kernels):
 
 def _dense_bwd(recipe, kernels, saved, dy_MN):
     x_MK, w_KN = saved
-    dx_MK = scaled_dot(dy_MN, w_KN.T, recipe, "dgrad", kernels)
-    dw_KN = scaled_dot(x_MK.T, dy_MN, recipe, "wgrad", kernels)
-    return dx_MK.astype(x_MK.dtype), dw_KN.astype(w_KN.dtype)
+    dx_MK = scaled_dot(dy_MN, w_KN.T, recipe, "dgrad", kernels, x_MK.dtype)
+    dw_KN = scaled_dot(x_MK.T, dy_MN, recipe, "wgrad", kernels, w_KN.dtype)
+    return dx_MK, dw_KN
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
