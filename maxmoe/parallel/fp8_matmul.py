@@ -170,10 +170,11 @@ def _mx_dot(a_MK, b_KN, out_dtype):
 
     The GEMM writes `out_dtype` itself, so that where the partitioner sums it over shards
     (a weight gradient over the batch, a row-parallel output) the sum moves that dtype, as
-    `none`'s bf16 dots do, not float32. The emulation dequantises into `out_dtype` (an e4m3
-    value times a power of two is exact in bfloat16), so an FSDP weight it gathers is that
-    wide too (the GPU's custom partitioning of scaled_matmul gathers the e4m3 values and
-    e8m0 scales, about half that).
+    `none`'s bf16 dots do, not float32. The emulation rounds the dequantised values to
+    `out_dtype` (exact: an e4m3 value times a power of two), so an FSDP weight it gathers
+    holds values that wide, as the dry run counts it (the GPU's custom partitioning of
+    scaled_matmul gathers the e4m3 values and e8m0 scales, about half that), and multiplies
+    in float32.
     """
     k = a_MK.shape[1]
     pad = -k % MX_BLOCK  # scaled_matmul infers the block from K / scales: K must be whole blocks
@@ -188,9 +189,12 @@ def _mx_dot(a_MK, b_KN, out_dtype):
         return jax.nn.scaled_matmul(aq[None], bq.T[None], a_scale, b_scale, preferred_element_type=out_dtype)[0]
 
     def emulated(aq, a_scale, bq, b_scale):
-        a = aq.astype(out_dtype) * jnp.repeat(a_scale, MX_BLOCK, axis=1).astype(out_dtype)
-        b = bq.astype(out_dtype) * jnp.repeat(b_scale, MX_BLOCK, axis=0).astype(out_dtype)
+        a = dequantize(aq, jnp.repeat(a_scale, MX_BLOCK, axis=1))
+        b = dequantize(bq, jnp.repeat(b_scale, MX_BLOCK, axis=0))
         return jax.lax.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype)
+
+    def dequantize(q, scale):  # exact in out_dtype, multiplied in float32 (as XLA:CPU would anyway)
+        return (q.astype(out_dtype) * scale.astype(out_dtype)).astype(jnp.float32)
 
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
