@@ -34,14 +34,14 @@ def narrowed_operands(hlo_text: str) -> dict[str, list[tuple[int, str, str]]]:
         for instr in comp.instrs.values():
             if instr.op.removesuffix("-start") not in MOVING:
                 continue
-            parts = []
-            for operand in instr.operands:
-                source = comp.instrs.get(operand)
-                arrays = array_types(source.result) if source is not None else []
-                if len(arrays) != 1:
-                    continue
-                dtype, elements = arrays[0]
-                parts.append((elements * DTYPE_BYTES[dtype], dtype, _narrowest_on_the_way(parsed, comp, operand, ())))
+            sources = [comp.instrs.get(operand) for operand in instr.operands]
+            arrays = [array_types(source.result) if source is not None else [] for source in sources]
+            if any(len(a) != 1 for a in arrays):
+                continue  # an operand this cannot size: counted as compiled
+            parts = [
+                (elements * DTYPE_BYTES[dtype], dtype, _narrowest_on_the_way(parsed, comp, source.name, ()))
+                for source, [(dtype, elements)] in zip(sources, arrays)
+            ]
             if any(_width(narrow) < _width(dtype) for _, dtype, narrow in parts):
                 out[instr.name] = parts
     return out
@@ -51,13 +51,14 @@ def _width(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 8)
 
 
-def _narrowest_on_the_way(parsed, comp, name: str, callers, depth: int = 0) -> str:
+def _narrowest_on_the_way(parsed, comp, name: str, callers, depth: int = 0) -> str | None:
     """The narrowest float dtype of `name`'s value and of the values it was copied, converted,
-    reshaped or sliced from (`callers`: the fusion calls `comp` is inside, innermost last)."""
+    reshaped or sliced from (`callers`: the fusion calls `comp` is inside, innermost last);
+    None for a value that is not one array."""
     instr = comp.instrs.get(name)
     arrays = array_types(instr.result) if instr is not None else []
     if len(arrays) != 1:
-        return "tuple"
+        return None
     own = arrays[0][0]
     if own not in _FLOATS or depth > _MAX_DEPTH:
         return own
