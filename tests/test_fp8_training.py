@@ -17,6 +17,7 @@ from maxmoe.mesh import build_layout
 from maxmoe.parallel.collectives import ragged_all_to_all_impl
 from maxmoe.parallel.fp8_dispatch import TILE, fp8_ragged_exchange
 from maxmoe.parallel.fp8_quant import E4M3, round_trip
+from maxmoe.sweep import with_mesh
 from maxmoe.training.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,13 +165,7 @@ def test_dry_run_counts_fp8_dispatch_bytes():
     # values counted at bf16, the scales at f32), bf16 elsewhere. Until the dry run counted
     # collectives by their values' width it halved the scales too: 1% low on the forward.
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4, 1), ("data", "expert", "tensor"))
-    measured = dry_run.dry_run_shape(
-        load_config([TINY], SMALL + ["model.compute_dtype=bfloat16", "model.fp8=blockwise", "moe.fp8_dispatch=true",
-                                     "mesh.data=2", "mesh.expert=4"]),  # fmt: skip
-        sizes,
-        mesh,
-        hbm_gb=1.0,
-    )["collectives_by_pass"]
+    measured = dry_run.dry_run_shape(with_mesh(fp8, sizes), sizes, mesh, hbm_gb=1.0)["collectives_by_pass"]
     assert {p: measured[p]["all-to-all"] for p in ("forward", "backward")} == pytest.approx(fp8_bytes, rel=1e-6)
 
 
