@@ -82,7 +82,7 @@ from maxmoe import planner
 from maxmoe.config import Config, ConfigError
 from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part, fp8_flops_per_token
 from maxmoe.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
-from maxmoe.hlo_slices import sliced_elements
+from maxmoe.hlo_slices import parse_computations, sliced_elements
 from maxmoe.hlo_widened import MOVING, narrowed_operands
 from maxmoe.mesh import build_layout, device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
@@ -204,7 +204,7 @@ def as_on_gpu(
             row = _narrowed(row, parts)
             seen.add("narrowed")
         elif halve_bf16 and row["dtype"] == "f32" and row.get("promoted"):
-            row = _halved(row, "bf16")
+            row = _narrowed(row, [(1, "f32", "bf16")])
             seen.add("promoted")
         if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in row["op_name"]:
             row = {
@@ -239,11 +239,6 @@ def _narrowed(row: dict, parts: list[tuple[int, str, str]]) -> dict:
     scale = sum(b * DTYPE_BYTES[narrow] / DTYPE_BYTES[dtype] for b, dtype, narrow in parts) / compiled
     dtype = min((narrow for _, _, narrow in parts), key=DTYPE_BYTES.get)
     return {**row, "dtype": dtype, "bytes": row["bytes"] * scale, "bytes_per_run": row["bytes_per_run"] * scale}
-
-
-def _halved(row: dict, dtype: str) -> dict:
-    """`row` moving values of half the width: `dtype` instead of the compiled one."""
-    return {**row, "dtype": dtype, "bytes": row["bytes"] / 2, "bytes_per_run": row["bytes_per_run"] / 2}
 
 
 def _sliced_all_reduces(rows: list[dict], sliced: dict) -> tuple[list[dict], float]:
@@ -379,8 +374,12 @@ def dry_run_shape(
     text = compiled.as_text()
     dots = dot_flops(text)
     domain = device_domains(devices, shaped.mesh.scale_up_domain)
+    parsed = parse_computations(text)  # read once for both searches
     rows, notes = as_on_gpu(
-        collective_ops(text, domain), shaped, sliced_elements(text, len(devices)), narrowed_operands(text)
+        collective_ops(text, domain),
+        shaped,
+        sliced_elements(text, len(devices), parsed),
+        narrowed_operands(text, parsed),
     )
     wire = summarize_ops(rows)
     by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])

@@ -67,11 +67,14 @@ def parse_computations(hlo_text: str) -> dict[str, _Computation]:
     return {name: _Computation(lines) for name, lines in comps.items()}
 
 
-def sliced_elements(hlo_text: str, num_devices: int) -> dict[str, list[tuple[int, str, str | None]]]:
+def sliced_elements(
+    hlo_text: str, num_devices: int, parsed: dict | None = None
+) -> dict[str, list[tuple[int, str, str | None]]]:
     """For each all-reduce of compiled HLO (by instruction name, as maxmoe.hlo.collective_ops'
     rows name them): per result element, (elements, its dtype, the dtype its slices hold: the
-    narrowest on the way; None where some use is not a 1/P dynamic slice)."""
-    parsed = parse_computations(hlo_text)
+    narrowest on the way; None where some use is not a 1/P dynamic slice). `parsed`: the
+    text's parse_computations, where the caller has it."""
+    parsed = parsed or parse_computations(hlo_text)
     out = {}
     for comp in parsed.values():
         for instr in comp.instrs.values():

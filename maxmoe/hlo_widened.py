@@ -24,11 +24,12 @@ _FLOATS = ("f8e4m3fn", "f8e5m2", "bf16", "f16", "f32", "f64")
 _MAX_DEPTH = 24
 
 
-def narrowed_operands(hlo_text: str) -> dict[str, list[tuple[int, str, str]]]:
+def narrowed_operands(hlo_text: str, parsed: dict | None = None) -> dict[str, list[tuple[int, str, str]]]:
     """For each data-moving collective (by instruction name, as maxmoe.hlo.collective_ops'
     rows name them) with some operand narrower than compiled: per operand, (bytes as compiled,
-    its compiled dtype, the narrowest float dtype its values passed through)."""
-    parsed = parse_computations(hlo_text)
+    its compiled dtype, the narrowest float dtype its values passed through). `parsed`: the
+    text's maxmoe.hlo_slices.parse_computations, where the caller has it."""
+    parsed = parsed or parse_computations(hlo_text)
     out = {}
     for comp in parsed.values():
         for instr in comp.instrs.values():

@@ -188,13 +188,13 @@ def _mx_dot(a_MK, b_KN, out_dtype):
         a_scale, b_scale = a_scale.astype(e8m0)[None], b_scale.T.astype(e8m0)[None]
         return jax.nn.scaled_matmul(aq[None], bq.T[None], a_scale, b_scale, preferred_element_type=out_dtype)[0]
 
+    def dequantize(q, scale):  # exact in out_dtype, multiplied in float32 (as XLA:CPU would anyway)
+        return (q.astype(out_dtype) * scale.astype(out_dtype)).astype(jnp.float32)
+
     def emulated(aq, a_scale, bq, b_scale):
         a = dequantize(aq, jnp.repeat(a_scale, MX_BLOCK, axis=1))
         b = dequantize(bq, jnp.repeat(b_scale, MX_BLOCK, axis=0))
         return jax.lax.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype)
-
-    def dequantize(q, scale):  # exact in out_dtype, multiplied in float32 (as XLA:CPU would anyway)
-        return (q.astype(out_dtype) * scale.astype(out_dtype)).astype(jnp.float32)
 
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
