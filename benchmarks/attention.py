@@ -28,8 +28,8 @@ def parse_case(text):
 
 
 def attention_fn(name, chunk, platform):
+    from maxmoe.kernels.attention import kernel
     from maxmoe.model.attention_ops import chunked_attention, xla_attention
-    from maxmoe.parallel.attention_kernels import kernel
 
     if name == "xla":
         return xla_attention
@@ -55,7 +55,7 @@ def run_case(case, names, dtype_name, chunk, repeats):
     for name in names:
         row = {"case": f"B={b} H={h} T={t}", "impl": name, "ms": None, "tflops": None, "temp_gb": None}
         if name == "tokamax":
-            from maxmoe.parallel.grouped_matmul import tokamax_problem
+            from maxmoe.kernels.grouped_matmul import tokamax_problem
 
             if tokamax_problem():
                 row["status"] = f"not available: {tokamax_problem()}"

@@ -7,7 +7,7 @@ For each strategy on a tiny and a proxy-shaped MoE layer (one forward call, mesh
 data=1 x expert=N x tensor=1 with N = --devices, random balanced top-k routing) it prints:
 
   hlo MB     bytes each device puts on the wire per layer, from the collectives in the
-             compiled HLO (`maxmoe.hlo.collective_bytes`): all-to-all and all-gather move
+             compiled HLO (`maxmoe.analysis.hlo.collective_bytes`): all-to-all and all-gather move
              (P-1)/P of their buffer, reduce-scatter (P-1) x its output, all-reduce
              2 (P-1)/P of its buffer (ring). On CPU ragged all-to-all is emulated with
              dense [P, M, D] blocks, so this is far above what the GPU moves.
@@ -23,7 +23,7 @@ Backward doubles every collective (each has a transposed twin). A second table r
 forward + backward of ragged_a2a under each remat policy (`jax.checkpoint` with the model's
 policy around the layer), with and without moe.overlap=batch_split and moe.a2a_chunks:
 
-  fwd MB / bwd MB  bytes on the wire in the forward / backward pass (maxmoe.hlo.pass_of):
+  fwd MB / bwd MB  bytes on the wire in the forward / backward pass (maxmoe.analysis.hlo.pass_of):
              a policy that recomputes collectives shows them again in bwd
   ms/step    wall time of forward + backward (CPU: ratios only; on GPUs this is where
              batch_split's overlap and the chunks' effect on the one-shot kernel show)
@@ -44,8 +44,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from maxmoe import runtime
+from maxmoe.analysis.hlo import collective_bytes
 from maxmoe.config import MoEConfig
-from maxmoe.hlo import collective_bytes
 from maxmoe.model.transformer import REMAT_POLICIES
 from maxmoe.parallel.dispatch import make_dispatch_plan
 

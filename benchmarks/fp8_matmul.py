@@ -9,10 +9,10 @@ Shapes (dense: [M, K] x [K, N]; grouped: M rows, the first half in balanced grou
   small   dense M=256 K=256 N=128; grouped M=256 G=8 D=128 F=64 (the CPU smoke test)
 Per recipe (bf16 is the plain matmul / the bf16 grouped GEMM): ms and TFLOP/s on the useful
 FLOPs (2 M K N forward, 3 x that forward+backward), and the ratio to bf16. The FP8 rows run
-`maxmoe.parallel.fp8_matmul` as training does: quantisation of every operand included. The
+`maxmoe.kernels.fp8_matmul` as training does: quantisation of every operand included. The
 grouped rows, bf16 and FP8, run on the grouped backend `moe.grouped_matmul=auto` picks here
 (`--grouped-backend` to name one): on Hopper mosaic_gpu, under which blockwise's GEMMs, dense
-and grouped, run maxmoe's Pallas Triton kernels (maxmoe.parallel.fp8_grouped_kernel) as in
+and grouped, run maxmoe's Pallas Triton kernels (maxmoe.kernels.fp8_grouped) as in
 training; under ragged_dot XLA's program.
 """
 
@@ -37,8 +37,8 @@ def _functions(kind, recipe, backend):
     import jax
     import jax.numpy as jnp
 
-    from maxmoe.parallel.fp8_matmul import blockwise_kernels, fp8_grouped_matmul, fp8_matmul
-    from maxmoe.parallel.grouped_matmul import grouped_matmul
+    from maxmoe.kernels.fp8_matmul import blockwise_kernels, fp8_grouped_matmul, fp8_matmul
+    from maxmoe.kernels.grouped_matmul import grouped_matmul
 
     def forward(a, b, sizes, ct):
         del ct
@@ -140,7 +140,7 @@ def main(argv=None):
         shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
     )
     device = jax.devices()[0]
-    from maxmoe.parallel.kernel_choice import resolve_grouped_matmul, target
+    from maxmoe.kernels.choice import resolve_grouped_matmul, target
 
     try:
         backend = resolve_grouped_matmul(args.grouped_backend, *target(), "bfloat16").name

@@ -13,7 +13,7 @@ Per backend and shape: ms, TFLOP/s on the useful FLOPs (2 x valid rows x D x F f
 forward+backward), and executed/useful FLOPs from XLA's `compiled.cost_analysis()` (custom
 calls such as Pallas kernels are not counted by XLA: shown as "-"). `dense` is one
 [valid rows, D] x [D, F] matmul of the same useful FLOPs: the ceiling. Backends are the
-ones of `maxmoe.parallel.grouped_matmul` (through maxmoe's own interface); one that cannot
+ones of `maxmoe.kernels.grouped_matmul` (through maxmoe's own interface); one that cannot
 run here is listed with the reason. --peak N also times one bf16 N^3 matmul.
 """
 
@@ -63,7 +63,7 @@ def _functions(backend, dtype):
     import jax
     import jax.numpy as jnp
 
-    from maxmoe.parallel.grouped_matmul import grouped_matmul
+    from maxmoe.kernels.grouped_matmul import grouped_matmul
 
     if backend == "dense":
 
@@ -84,13 +84,13 @@ def _functions(backend, dtype):
 
 def _unavailable(backend, platform, dtype_name):
     if backend == "mosaic_gpu":
-        from maxmoe.parallel.kernel_choice import resolve_grouped_matmul, target
+        from maxmoe.kernels.choice import resolve_grouped_matmul, target
 
         choice = resolve_grouped_matmul("auto", *target(), dtype_name)
         if choice.name != "mosaic_gpu":
             return f"not available: {choice.reason}"
     if backend == "tokamax":
-        from maxmoe.parallel.grouped_matmul import tokamax_problem
+        from maxmoe.kernels.grouped_matmul import tokamax_problem
 
         if tokamax_problem():
             return f"not available: {tokamax_problem()}"

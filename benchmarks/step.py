@@ -23,7 +23,7 @@ import jax
 from maxmoe import runtime
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.config import UserError, load_config
-from maxmoe.mesh import build_layout
+from maxmoe.parallel.layout import build_layout
 from maxmoe.sweep import time_shape
 
 

@@ -30,15 +30,15 @@ OPTIONAL_MESH_AXES = ("pipeline", REPLICA_AXIS)  # left out of a mesh where thei
 ACROSS_DOMAINS = ("fsdp", "zero1")  # mesh.across_domains (docs/SHARDING.md, "Two tiers")
 PIPELINE_RESIDUALS = ("vjp", "recompute")  # maxmoe.parallel.pipeline
 DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
-GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")  # maxmoe.parallel.grouped_matmul
+GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")  # maxmoe.kernels.grouped_matmul
 ATTENTION_IMPLEMENTATIONS = (
     "xla",
     "chunked",
     "triton",
     "cudnn",
     "tokamax",
-)  # model/attention_ops, parallel/attention_kernels
-FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")  # maxmoe.parallel.fp8_matmul
+)  # model/attention_ops, kernels/attention
+FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")  # maxmoe.kernels.fp8_matmul
 XLA_PROFILES = ("h100", "h200", "b200", "gb200", "gb300")  # GPU systems with a flag profile (maxmoe.xla_flags)
 # What the backward pass keeps instead of recomputing (maxmoe.model.transformer.REMAT_POLICIES).
 REMAT_CHOICES = ("none", "full", "save_matmuls", "save_comm", "save_moe", "save_dots_comm")
@@ -111,7 +111,7 @@ class ModelConfig:
     attention: str = _field(
         "auto",
         choices=("auto",) + ATTENTION_IMPLEMENTATIONS,
-        doc="auto: triton on NVIDIA GPUs, chunked elsewhere (maxmoe.parallel.kernel_choice)",
+        doc="auto: triton on NVIDIA GPUs, chunked elsewhere (maxmoe.kernels.choice)",
     )
     attention_chunk: int = _field(512, gt=0, doc="chunked attention: block length (largest divisor of T up to this)")
     init_std: float = _field(0.02, gt=0, doc="normal init std of weight matrices")
@@ -139,7 +139,7 @@ class MoEConfig:
         "auto",
         choices=("auto",) + GROUPED_MATMUL_BACKENDS,
         doc="grouped GEMM backend for the experts; auto: mosaic_gpu on Hopper GPUs, ragged_dot elsewhere "
-        "(maxmoe.parallel.kernel_choice)",
+        "(maxmoe.kernels.choice)",
     )
     overlap: str = _field(
         "none", choices=MOE_OVERLAPS, doc="batch_split: each shard's tokens as two independent dispatch halves"

@@ -18,7 +18,7 @@ Activated experts: top-k routed experts + shared experts of each MoE layer.
 With `model.fp8` set, fp8_flops_per_token is the part of those FLOPs that runs as FP8 GEMMs:
 every attention projection, the dense MLPs, the shared and the activated routed experts, in
 the main model and in each MTP depth; the router, the attention core, the head and MTP's
-[2D, D] projection stay in the compute dtype (maxmoe.parallel.fp8_matmul's recipes).
+[2D, D] projection stay in the compute dtype (maxmoe.kernels.fp8_matmul's recipes).
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import json
 import sys
 
 from maxmoe import runtime
+from maxmoe.analysis.hlo import count_collectives
+from maxmoe.analysis.lowering import lower_train_step, stage_spans
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.flops import count_params, flops_per_token
-from maxmoe.hlo import count_collectives
-from maxmoe.lowering import lower_train_step, stage_spans
 
 
 @main_guard
@@ -69,7 +69,7 @@ def _describe_spans(spans: dict[str, int]) -> str:
 
 def kernel_report(config, platform: str | None, device_kind: str | None) -> dict:
     """The grouped matmul and attention `auto` resolves to on a platform, with the reasons."""
-    from maxmoe.parallel.kernel_choice import resolve_kernels
+    from maxmoe.kernels.choice import resolve_kernels
 
     kernels = resolve_kernels(config, platform, device_kind)
     return {

@@ -18,9 +18,9 @@ collective kind, by pass (forward, backward: what remat recomputes shows there) 
 scale-up domains, model FLOPs, with pipeline stages the schedule's bubble
 (P-1)/(M*V+P-1), the measured one (the compiled step's dot FLOPs per device against the
 same step compiled without stages: a second compile per staged shape) and ring size, and with `--system` (default: the config's xla.profile)
-maxmoe.planner's predicted step time and TFLOP/s per GPU. `--a2a proxy` (default) compiles
+maxmoe.analysis.planner's predicted step time and TFLOP/s per GPU. `--a2a proxy` (default) compiles
 the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
-`--a2a emulate` as the CPU emulation. The method in full: maxmoe/dry_run.py.
+`--a2a emulate` as the CPU emulation. The method in full: maxmoe/analysis/dry_run.py.
 
 Without --dry-run: the same shapes on the real devices, timed over --steps steps after
 --warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.flops.peak_tflops.
@@ -42,12 +42,13 @@ import jax
 import numpy as np
 
 from maxmoe import runtime
+from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
+from maxmoe.analysis.planner import SYSTEMS
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.config import SIZED_MESH_AXES, Config, ConfigError, UserError
-from maxmoe.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
-from maxmoe.mesh import Layout, build_layout, build_mesh, check_divisible, resolve_rules, resolve_shape
-from maxmoe.planner import SYSTEMS
+from maxmoe.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
+from maxmoe.parallel.layout import Layout, build_layout
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
@@ -241,7 +242,7 @@ def format_table(results: list[dict], dry_run: bool) -> str:
 
 
 def measured_text(p: dict) -> str:
-    """The measured bubble of a pipeline report, with the dot FLOPs it comes from (maxmoe.dry_run)."""
+    """The measured bubble of a pipeline report, with the dot FLOPs it comes from (maxmoe.analysis.dry_run)."""
     if p.get("bubble_measured") is None:
         return f"measured: - ({p['baseline_error']})" if p.get("baseline_error") else "measured: -"
     return (
@@ -251,7 +252,7 @@ def measured_text(p: dict) -> str:
 
 
 def format_predictions(results: list[dict]) -> str:
-    """The planner's table: one line per shape that has a prediction (maxmoe.planner)."""
+    """The planner's table: one line per shape that has a prediction (maxmoe.analysis.planner)."""
     lines = [
         f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'system':<6} {'step s':>7} {'tokens/s':>10} "
         f"{'TFLOP/s/GPU':>11} {'MFU':>5} {'x4 replicas: retention':>22}  bound"
@@ -354,7 +355,7 @@ def sweep(
 ) -> dict:
     """Run the sweep; returns {"results": ranked, "skipped": [...], ...}.
 
-    `system` (dry run): a key of maxmoe.planner.SYSTEMS to predict each shape's throughput on.
+    `system` (dry run): a key of maxmoe.analysis.planner.SYSTEMS to predict each shape's throughput on.
     """
     if dry_run:
         if not num_devices:

@@ -37,11 +37,11 @@ def free_port() -> int:
 
 @pytest.fixture
 def interpreted_fp8_kernels(monkeypatch) -> list:
-    """Blockwise FP8 as on a GPU target, here: maxmoe's Triton kernels (maxmoe.parallel.fp8_matmul's
+    """Blockwise FP8 as on a GPU target, here: maxmoe's Triton kernels (maxmoe.kernels.fp8_matmul's
     references to them) run in Pallas interpret mode and count as available. Returns the list
     of the kernels' names in call order."""
-    from maxmoe.parallel import fp8_matmul
-    from maxmoe.parallel.fp8_grouped_kernel import blockwise_grouped_gemm, fp8_grouped_wgrad
+    from maxmoe.kernels import fp8_matmul
+    from maxmoe.kernels.fp8_grouped import blockwise_grouped_gemm, fp8_grouped_wgrad
 
     calls = []
 
@@ -67,8 +67,8 @@ def fp8_kernel_contracts(monkeypatch) -> list:
     import jax
     import jax.numpy as jnp
 
-    from maxmoe.parallel import fp8_matmul
-    from maxmoe.parallel.fp8_grouped_kernel import TILE
+    from maxmoe.kernels import fp8_matmul
+    from maxmoe.kernels.fp8_grouped import TILE
 
     calls = []
 

@@ -34,7 +34,7 @@ from conftest import job_env
 
 from maxmoe import data
 from maxmoe.config import load_config
-from maxmoe.mesh import build_layout
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer

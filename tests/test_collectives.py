@@ -15,9 +15,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
+from maxmoe.kernels.grouped_matmul import grouped_matmul, tokamax_problem
 from maxmoe.parallel.collectives import has_native_ragged_all_to_all, ragged_all_to_all
 from maxmoe.parallel.dispatch_shard import chunk_slices
-from maxmoe.parallel.grouped_matmul import grouped_matmul, tokamax_problem
 
 COMM_AXIS = "expert"
 

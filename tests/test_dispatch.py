@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import DISPATCH_STRATEGIES as STRATEGIES
 from maxmoe.config import GROUPED_MATMUL_BACKENDS, MESH_AXES, MoEConfig, load_config
-from maxmoe.mesh import build_layout
+from maxmoe.kernels.grouped_matmul import tokamax_problem
 from maxmoe.parallel.dispatch import DispatchPlan, local_routed_experts, make_dispatch_plan, routed_experts
-from maxmoe.parallel.grouped_matmul import tokamax_problem
+from maxmoe.parallel.layout import build_layout
 
 MESHES = ((1, 8, 1), (2, 4, 1), (2, 2, 2), (4, 2, 1))
 WEIGHT_SPECS = {

@@ -1,4 +1,4 @@
-"""Blockwise FP8 dense projections on each device's shards (maxmoe.parallel.fp8_dense): the
+"""Blockwise FP8 dense projections on each device's shards (maxmoe.kernels.fp8_dense): the
 shard_map layout from the rules' specs, and a train step on a data x expert x tensor mesh
 whose every FP8 GEMM goes where maxmoe's kernels go (here programs of their contracts) against
 XLA's program."""
@@ -12,10 +12,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import load_config
-from maxmoe.mesh import build_layout
-from maxmoe.parallel import fp8_dense
-from maxmoe.parallel.fp8_dense import fp8_gather_axes, projection_specs
-from maxmoe.parallel.kernel_choice import Choice
+from maxmoe.kernels import fp8_dense
+from maxmoe.kernels.choice import Choice
+from maxmoe.kernels.fp8_dense import fp8_gather_axes, projection_specs
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training.programs import build_programs
 from maxmoe.training.step import make_loss_fn
 
@@ -69,7 +69,7 @@ def test_fp8_blocks_gathered_over_two_axes_give_the_one_device_product(fp8_kerne
     blocks over (data, expert): value and both gradients equal the one-device blockwise GEMM's
     through the same kernel programs (sums in another order: the psum over tensor's halves of
     K, the reduce-scatter over the batch's shards)."""
-    from maxmoe.parallel.fp8_matmul import blockwise_kernels, fp8_matmul
+    from maxmoe.kernels.fp8_matmul import blockwise_kernels, fp8_matmul
 
     mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"), devices=jax.devices()[:8])
     kernels = blockwise_kernels("mosaic_gpu")

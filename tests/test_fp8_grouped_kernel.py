@@ -1,4 +1,4 @@
-"""The block-scaled FP8 grouped GEMM kernel (maxmoe.parallel.fp8_grouped_kernel): its tile
+"""The block-scaled FP8 grouped GEMM kernel (maxmoe.kernels.fp8_grouped): its tile
 schedule against a plain loop, its values (Pallas interpret mode) against a float64 sum of the
 scaled 128-blocks, the dry run's stand-ins against the same sums, and the CUDA program of a
 blockwise train step that runs it."""
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.parallel.attention_kernels import triton_lowers_here
-from maxmoe.parallel.fp8_grouped_kernel import (
+from maxmoe.kernels.attention import triton_lowers_here
+from maxmoe.kernels.fp8_grouped import (
     TILE,
     balanced_blockwise_gemm,
     balanced_grouped_wgrad,
@@ -163,9 +163,9 @@ def test_blockwise_train_step_runs_only_the_kernels_for_hopper(mesh):
     Triton kernels: the experts' (forward, dx, dw) and the dense projections' on each device's
     shards (data x expert x tensor: column- and row-parallel projections; also with the data
     axis split into replicas across scale-up domains); XLA has no fp8 dot and no ragged_dot left."""
+    from maxmoe.analysis.lowering import lower_train_step
     from maxmoe.config import load_config
-    from maxmoe.lowering import lower_train_step
-    from maxmoe.mesh import build_layout
+    from maxmoe.parallel.layout import build_layout
 
     config = load_config(
         [TINY],

@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from maxmoe.parallel import fp8_matmul as fp8_matmul_module
-from maxmoe.parallel.fp8_matmul import RECIPES, fp8_grouped_matmul, fp8_matmul
-from maxmoe.parallel.fp8_quant import E4M3, E5M2, quantize, segment_quantize
-from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN
+from maxmoe.kernels import fp8_matmul as fp8_matmul_module
+from maxmoe.kernels.fp8_matmul import RECIPES, fp8_grouped_matmul, fp8_matmul
+from maxmoe.kernels.fp8_quant import E4M3, E5M2, quantize, segment_quantize
+from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN
 
 NP_DTYPES = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
 MAX = {E4M3: 448.0, E5M2: 57344.0}

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe import dry_run
+from maxmoe.analysis import dry_run
+from maxmoe.analysis.lowering import lower_train_step
 from maxmoe.config import ConfigError, load_config
-from maxmoe.lowering import lower_train_step
-from maxmoe.mesh import build_layout
+from maxmoe.kernels.fp8_quant import E4M3, round_trip
 from maxmoe.parallel.collectives import ragged_all_to_all_impl
 from maxmoe.parallel.fp8_dispatch import TILE, fp8_ragged_exchange
-from maxmoe.parallel.fp8_quant import E4M3, round_trip
+from maxmoe.parallel.layout import build_layout
 from maxmoe.sweep import with_mesh
 from maxmoe.training.programs import build_programs
 

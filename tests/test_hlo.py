@@ -1,10 +1,10 @@
-"""maxmoe.hlo: collective counts in StableHLO, replica groups and bytes on the wire in compiled HLO."""
+"""maxmoe.analysis.hlo: collective counts in StableHLO, replica groups and bytes on the wire in compiled HLO."""
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from maxmoe import hlo, hlo_deps
+from maxmoe.analysis import hlo, hlo_deps
 
 STABLEHLO = """
   %0 = "stablehlo.all_gather"(%arg0) <{all_gather_dim = 0 : i64}> : (tensor<4xi32>) -> tensor<16xi32>

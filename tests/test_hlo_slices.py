@@ -1,4 +1,4 @@
-"""maxmoe.hlo_slices: all-reduces whose results are only sliced, and how the dry run counts them."""
+"""maxmoe.analysis.hlo_slices: all-reduces whose results are only sliced, and how the dry run counts them."""
 
 from pathlib import Path
 
@@ -8,10 +8,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxmoe import hlo
+from maxmoe.analysis import hlo
+from maxmoe.analysis.dry_run import as_on_gpu
+from maxmoe.analysis.hlo_slices import sliced_elements
 from maxmoe.config import load_config
-from maxmoe.dry_run import as_on_gpu
-from maxmoe.hlo_slices import sliced_elements
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 

@@ -1,4 +1,4 @@
-"""maxmoe.hlo_widened: collectives XLA:CPU runs wider than their values, and how the dry run counts them."""
+"""maxmoe.analysis.hlo_widened: collectives XLA:CPU runs wider than their values, and how the dry run counts them."""
 
 from pathlib import Path
 
@@ -8,10 +8,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxmoe import hlo
+from maxmoe.analysis import hlo
+from maxmoe.analysis.dry_run import as_on_gpu
+from maxmoe.analysis.hlo_widened import narrowed_operands
 from maxmoe.config import load_config
-from maxmoe.dry_run import as_on_gpu
-from maxmoe.hlo_widened import narrowed_operands
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxmoe.kernels import mosaic_ragged_dot
+from maxmoe.kernels.attention import triton_attention
+from maxmoe.kernels.choice import gpu_generation, resolve_attention, resolve_grouped_matmul
+from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN, grouped_matmul, grouped_wgrad
 from maxmoe.model.attention_ops import chunked_attention, xla_attention
-from maxmoe.parallel import mosaic_ragged_dot
-from maxmoe.parallel.attention_kernels import triton_attention
-from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, grouped_matmul, grouped_wgrad
-from maxmoe.parallel.kernel_choice import gpu_generation, resolve_attention, resolve_grouped_matmul
 from maxmoe.training.loss import cross_entropy, head_cross_entropies, head_cross_entropy
 
 # float32 throughout; the implementations sum the same products in other orders.
@@ -242,7 +242,7 @@ def test_auto_choices_per_platform_and_device_kind():
 )
 def test_a_kernel_the_target_cannot_run_is_a_config_error(overrides, fragment):
     from maxmoe.config import ConfigError, load_config
-    from maxmoe.mesh import build_layout
+    from maxmoe.parallel.layout import build_layout
 
     config = load_config([], overrides)
     with pytest.raises(ConfigError, match=fragment):
@@ -286,7 +286,7 @@ def test_triton_attention_in_interpret_mode_equals_xla():
 
 def test_tokamax_attention_through_its_reference_path_equals_xla():
     pytest.importorskip("tokamax")
-    from maxmoe.parallel.attention_kernels import tokamax_attention
+    from maxmoe.kernels.attention import tokamax_attention
 
     assert_attention_matches(tokamax_attention, attention_problem(5, b=1, t=32, h=2, k=24, v=16))
 
@@ -378,7 +378,7 @@ def test_chunked_loss_temp_memory_at_the_proxy_shape_is_a_quarter_of_the_plain_l
 
 def tiny_losses(*overrides, steps=3):
     from maxmoe.config import load_config
-    from maxmoe.mesh import build_layout
+    from maxmoe.parallel.layout import build_layout
     from maxmoe.training.programs import build_programs
 
     config = load_config(

@@ -15,12 +15,12 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from maxmoe.analysis.hlo import STABLEHLO_COLLECTIVES, count_collectives
+from maxmoe.analysis.hlo_deps import independent_chains, marker_dependencies
+from maxmoe.analysis.lowering import lower_train_step
 from maxmoe.config import load_config
-from maxmoe.hlo import STABLEHLO_COLLECTIVES, count_collectives
-from maxmoe.hlo_deps import independent_chains, marker_dependencies
-from maxmoe.lowering import lower_train_step
-from maxmoe.mesh import build_layout
 from maxmoe.model.moe import MoE
+from maxmoe.parallel.layout import build_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxmoe.config import ConfigError, load_config
-from maxmoe.mesh import build_layout, build_mesh, check_divisible, logical_to_spec, resolve_rules, resolve_shape
+from maxmoe.mesh import build_mesh, check_divisible, logical_to_spec, resolve_rules, resolve_shape
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs

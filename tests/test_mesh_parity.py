@@ -15,7 +15,7 @@ import pytest
 from conftest import job_env
 
 from maxmoe.config import load_config
-from maxmoe.mesh import build_layout
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from maxmoe.config import DISPATCH_STRATEGIES, REMAT_CHOICES, load_config
-from maxmoe.mesh import build_layout
 from maxmoe.model.transformer import build_model, init_variables
+from maxmoe.parallel.layout import build_layout
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 

@@ -20,10 +20,10 @@ import jax
 import numpy as np
 import pytest
 
+from maxmoe.analysis.hlo import collective_spans
+from maxmoe.analysis.lowering import lower_train_step
 from maxmoe.config import load_config
-from maxmoe.hlo import collective_spans
-from maxmoe.lowering import lower_train_step
-from maxmoe.mesh import build_layout
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint, stage_state
 from maxmoe.training import step as step_lib
 from maxmoe.training.programs import build_programs

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from test_pipeline import batches, config_of
 
-from maxmoe.mesh import build_layout
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training import stage_state
 from maxmoe.training.programs import build_programs
 

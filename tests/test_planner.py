@@ -1,4 +1,4 @@
-"""maxmoe.planner against hand-worked cases.
+"""maxmoe.analysis.planner against hand-worked cases.
 
 A made-up system keeps the arithmetic readable: 1,000 TFLOP/s bf16, 100 GB of HBM at 1 TB/s,
 500 GB/s NVLink and 100 GB/s scale-out per GPU. Unless a case says otherwise, compute runs
@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from maxmoe.config import load_config
-from maxmoe.dry_run import as_on_gpu, pipeline_report, step_workload
-from maxmoe.flops import flops_per_token, flops_per_token_by_part
-from maxmoe.planner import (
+from maxmoe.analysis.dry_run import as_on_gpu, pipeline_report, step_workload
+from maxmoe.analysis.planner import (
     GB,
     SYSTEMS,
     Assumptions,
@@ -29,6 +27,8 @@ from maxmoe.planner import (
     scale_replicas,
     workload_from_ops,
 )
+from maxmoe.config import load_config
+from maxmoe.flops import flops_per_token, flops_per_token_by_part
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = System("test", 1000.0, 2000.0, 100.0, 1.0, 500.0, 100.0, 8)
@@ -200,7 +200,7 @@ def test_dry_run_counts_what_the_gpu_moves():
                 "cross_domain": cross, "dtype": dtype, "op_name": op_name, "pass": "other",
                 "promoted": promoted}  # fmt: skip
 
-    # maxmoe.hlo_widened.narrowed_operands of the HLO: (operand bytes, compiled, narrowest on the way)
+    # maxmoe.analysis.hlo_widened.narrowed_operands of the HLO: (operand bytes, compiled, narrowest on the way)
     narrowed = {
         "ag": [(8, "f32", "bf16")],  # a bf16 weight copy XLA:CPU gathers in f32
         "a2a": [(4, "f32", "bf16"), (4, "f32", "f32")],  # a combined op, one operand bf16 values

@@ -1,4 +1,4 @@
-"""maxmoe.sweep and maxmoe.dry_run: mesh enumeration, the analytic all-to-all model, and a dry
+"""maxmoe.sweep and maxmoe.analysis.dry_run: mesh enumeration, the analytic all-to-all model, and a dry
 run on 8 fake CPU devices whose all-to-all bytes grow with the expert axis as (EP-1)/EP."""
 
 import json
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from maxmoe import dry_run, sweep
+from maxmoe import sweep
+from maxmoe.analysis import dry_run
 from maxmoe.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,10 @@ import jax
 import numpy as np
 import pytest
 
+from maxmoe.analysis.hlo import collective_ops
 from maxmoe.config import load_config
-from maxmoe.hlo import collective_ops
-from maxmoe.mesh import build_layout, device_domains
+from maxmoe.mesh import device_domains
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training.checkpoint import Checkpointer
 from maxmoe.training.programs import build_programs
 

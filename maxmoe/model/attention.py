@@ -16,11 +16,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from maxmoe.kernels.attention import kernel
+from maxmoe.kernels.choice import resolve_attention, target
 from maxmoe.model.attention_ops import chunked_attention, xla_attention
 from maxmoe.model.layers import RMSNorm, constrain, logical_param, project
 from maxmoe.model.rope import apply_rope, attention_scale
-from maxmoe.parallel.attention_kernels import kernel
-from maxmoe.parallel.kernel_choice import resolve_attention, target
 
 
 def attention_core(config, layout: Any = None):

@@ -7,7 +7,7 @@
            are computed, and nothing of size T x S is ever held -- the backward pass keeps
            q, k, v, the output and one float32 log-sum-exp per query, and recomputes each
            block's scores. Memory is linear in T; any platform.
-GPU kernels (Pallas Triton, cuDNN) live in maxmoe.parallel.attention_kernels.
+GPU kernels (Pallas Triton, cuDNN) live in maxmoe.kernels.attention.
 
 Precision matches the oracle: scores, softmax statistics and accumulators in float32, the
 probabilities cast to v's dtype before the value matmul.

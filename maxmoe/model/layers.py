@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxmoe.parallel.fp8_matmul import fp8_matmul
+from maxmoe.kernels.fp8_matmul import fp8_matmul
 
 
 def logical_param(
@@ -32,7 +32,7 @@ def logical_param(
 
 
 def constrain(layout: Any, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """Ask the layout (built by maxmoe.mesh) to shard an activation; identity without one."""
+    """Ask the layout (built by maxmoe.parallel.layout) to shard an activation; identity without one."""
     return x if layout is None else layout.constrain(x, tuple(axes))
 
 
@@ -47,7 +47,7 @@ def project(
     """x [..., K...] @ w [K..., N...] over x's last `contract` dims and w's first.
 
     fp8="none": the plain matmul (contract 1). Else every GEMM of forward and backward in that
-    FP8 recipe (maxmoe.parallel.fp8_matmul) with x seen as [..., K] and w as [K, N]; given the
+    FP8 recipe (maxmoe.kernels.fp8_matmul) with x seen as [..., K] and w as [K, N]; given the
     logical axes of x and w, `axes`, the layout may run the recipe's kernels on each device's
     shards (`Layout.fp8_projection`).
     """

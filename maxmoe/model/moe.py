@@ -21,7 +21,7 @@ class MoE(nn.Module):
 
     config: Any  # ModelConfig
     dtype: Any = jnp.float32
-    layout: Any = None  # from maxmoe.mesh; carries the dispatch plan
+    layout: Any = None  # from maxmoe.parallel.layout; carries the dispatch plan
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:

@@ -172,7 +172,7 @@ def uses_float32(path: tuple) -> bool:
 
 
 def build_model(config: ModelConfig, layout: Any = None) -> Transformer:
-    """The network for a model config; `layout` (maxmoe.mesh) shards activations and experts."""
+    """The network for a model config; `layout` (maxmoe.parallel.layout) shards activations and experts."""
     return Transformer(config, layout)
 
 

@@ -2,7 +2,7 @@
 
 `routed_experts` is what the model calls. With no plan (one device) every expert is
 local and `local_routed_experts` runs. On a mesh, `make_dispatch_plan` (called by
-`maxmoe.mesh.build_layout`) returns a `DispatchPlan` whose `routed_experts` enters
+`maxmoe.parallel.layout.build_layout`) returns a `DispatchPlan` whose `routed_experts` enters
 `jax.shard_map` over the whole mesh and runs one strategy per shard
 (`maxmoe.parallel.dispatch_shard`):
 
@@ -66,10 +66,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from maxmoe.config import DISPATCH_STRATEGIES, MOE_OVERLAPS
+from maxmoe.kernels.shard_context import shard_map_in_context
 from maxmoe.parallel import dispatch_shard
 from maxmoe.parallel.collectives import RAGGED_A2A_IMPLS, has_native_ragged_all_to_all
 from maxmoe.parallel.dispatch_shard import COMM_NAMES, EXPERT_MATMUL_NAMES, expert_swiglu
-from maxmoe.parallel.replicas import shard_map_in_context
 
 # Logical axes of the routed experts' weights: the model declares its parameters with them and
 # the mesh derives the shard_map's weight specs from them.
@@ -121,7 +121,7 @@ def routed_experts(
 
     `plan` is None on one device (all experts local, grouped GEMM `grouped_matmul`);
     otherwise it selects the expert-parallel strategy, the grouped GEMM, and carries the mesh.
-    `fp8` ("none" or a maxmoe.parallel.fp8_matmul recipe) runs the grouped GEMMs in FP8.
+    `fp8` ("none" or a maxmoe.kernels.fp8_matmul recipe) runs the grouped GEMMs in FP8.
     """
     b, t, d = x_BTD.shape
     k = expert_ids_BTK.shape[-1]
@@ -331,7 +331,7 @@ def make_dispatch_plan(
             only whether F is sharded over `tensor_axis` is read (D enters unsharded).
         platform: the platform the program is compiled for ("cpu", "cuda", ...); decides
             whether ragged all-to-all is emulated. Default: jax.default_backend().
-        grouped_matmul: the resolved grouped GEMM backend (maxmoe.parallel.kernel_choice);
+        grouped_matmul: the resolved grouped GEMM backend (maxmoe.kernels.choice);
             default: moe_config.grouped_matmul unless that is "auto", then "ragged_dot".
 
     Raises:

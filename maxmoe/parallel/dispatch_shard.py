@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from maxmoe.kernels.fp8_matmul import fp8_grouped_swiglu
+from maxmoe.kernels.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
 from maxmoe.parallel.collectives import EMULATED_OFFSETS, ragged_all_to_all_impl
 from maxmoe.parallel.fp8_dispatch import fp8_ragged_exchange
-from maxmoe.parallel.fp8_matmul import fp8_grouped_swiglu
-from maxmoe.parallel.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
 
 DISPATCH_COUNTS = "moe_dispatch_counts"
 DISPATCH_ROWS = "moe_dispatch_rows"
@@ -52,7 +52,7 @@ EXPERT_MATMUL_NAMES = (EXPERT_GATE_UP,)
 def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot", fp8="none"):
     """SwiGLU of each row through its group's expert; rows sorted by expert (gate and up as one GEMM).
 
-    fp8: "none" or a recipe of maxmoe.parallel.fp8_matmul for both grouped GEMMs.
+    fp8: "none" or a recipe of maxmoe.kernels.fp8_matmul for both grouped GEMMs.
     """
     if fp8 != "none":
         return fp8_grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, fp8, backend)

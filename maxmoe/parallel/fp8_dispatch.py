@@ -23,8 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxmoe.kernels.fp8_quant import E4M3, quantize
 from maxmoe.parallel.collectives import ragged_all_to_all_impl
-from maxmoe.parallel.fp8_quant import E4M3, quantize
 
 TILE = {"tensorwise": 128, "blockwise": 128, "mxfp8": 32}
 

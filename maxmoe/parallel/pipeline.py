@@ -29,7 +29,7 @@ and re-runs the chunk in the backward (public API only; one more chunk forward p
 
 Only `pipeline` is manual in the shard_map: data/expert/tensor stay automatic, so sharding
 constraints and the expert dispatch's own shard_map work inside as outside, on the context's
-abstract mesh (maxmoe.mesh.Layout.on_context_mesh). check_vma is off: with it on, Shardy's
+abstract mesh (maxmoe.parallel.layout.Layout.on_context_mesh). check_vma is off: with it on, Shardy's
 verifier rejects the dispatch's nested manual computation on jax 0.10; the executor sums
 only per-stage accumulators and never differentiates through the shard_map.
 

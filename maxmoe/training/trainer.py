@@ -31,7 +31,7 @@ import numpy as np
 from maxmoe import data, runtime, xla_flags
 from maxmoe.config import Config
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
-from maxmoe.mesh import build_layout
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger
 from maxmoe.training.optim import learning_rate_schedule

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from maxmoe.hlo import DTYPE_BYTES, array_types, computation_runs, replica_groups
+from maxmoe.analysis.hlo import DTYPE_BYTES, array_types, computation_runs, replica_groups
 
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _PARAM_INDEX_RE = re.compile(r"^(\d+)\)")
@@ -70,7 +70,7 @@ def parse_computations(hlo_text: str) -> dict[str, _Computation]:
 def sliced_elements(
     hlo_text: str, num_devices: int, parsed: dict | None = None
 ) -> dict[str, list[tuple[int, str, str | None]]]:
-    """For each all-reduce of compiled HLO (by instruction name, as maxmoe.hlo.collective_ops'
+    """For each all-reduce of compiled HLO (by instruction name, as maxmoe.analysis.hlo.collective_ops'
     rows name them): per result element, (elements, its dtype, the dtype its slices hold: the
     narrowest on the way; None where some use is not a 1/P dynamic slice). `parsed`: the
     text's parse_computations, where the caller has it."""

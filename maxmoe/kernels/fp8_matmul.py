@@ -2,7 +2,7 @@
 
 Every GEMM of a layer (forward y = x @ w, input gradient dx = dy @ w^T, weight gradient
 dw = x^T @ dy) quantises both operands along its own contraction axis, multiplies the fp8
-values with float32 accumulation, and rescales (`maxmoe.parallel.fp8_quant` has the blocks):
+values with float32 accumulation, and rescales (`maxmoe.kernels.fp8_quant` has the blocks):
 
 | recipe | forward | dx | dw | GEMM program |
 |---|---|---|---|---|
@@ -21,14 +21,14 @@ MXFP8's scales are powers of two, so a dequantised value is exact in bfloat16 an
 Master weights stay float32 (callers cast), operands arrive in the compute dtype, gradients
 leave in the dtypes of the operands. Inputs are saved for the backward pass unquantised.
 
-Grouped GEMM (rows sorted by group, as `maxmoe.parallel.grouped_matmul`): tensorwise and
+Grouped GEMM (rows sorted by group, as `maxmoe.kernels.grouped_matmul`): tensorwise and
 blockwise run `jax.lax.ragged_dot` on fp8 operands (on GPU XLA rewrites it into a dense dot of
 G x the FLOPs; for a weight gradient over a masked [G, M, D] copy of the rows), except under a
 GPU kernel backend (`moe.grouped_matmul=mosaic_gpu` or tokamax): there tensorwise gives that
 bf16-only kernel (forward, dx, and its weight-gradient kernel for dw) the fp8 values as bf16,
 exact, and rescales, mxfp8's weight gradient goes to the same kernel, and blockwise's forward,
 dx and dw run maxmoe's Pallas Triton kernels
-(`maxmoe.parallel.fp8_grouped_kernel`: fp8 dots with the promotion every 128, no padding of
+(`maxmoe.kernels.fp8_grouped`: fp8 dots with the promotion every 128, no padding of
 the groups) wherever Triton lowers; activation scales are per row (per 128 columns), weight
 scales per group (per block). The weight gradient's contraction runs over each group's rows,
 so its scales are one per (group, column) there (blockwise) rather than 128-row tiles, which
@@ -49,16 +49,16 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxmoe.parallel.attention_kernels import triton_lowers_here
-from maxmoe.parallel.fp8_grouped_kernel import (
+from maxmoe.kernels.attention import triton_lowers_here
+from maxmoe.kernels.fp8_grouped import (
     balanced_blockwise_gemm,
     balanced_grouped_wgrad,
     blockwise_grouped_gemm,
     fp8_grouped_wgrad,
 )
-from maxmoe.parallel.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
-from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, EXPERT_GATE_UP, WGRAD_DIMS, grouped_matmul, grouped_wgrad
-from maxmoe.parallel.varying import sum_over_blocks, vary_alike
+from maxmoe.kernels.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
+from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN, EXPERT_GATE_UP, WGRAD_DIMS, grouped_matmul, grouped_wgrad
+from maxmoe.kernels.varying import sum_over_blocks, vary_alike
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 TILE = 128  # DeepSeek-V3's tile and block edge
@@ -67,12 +67,12 @@ MX_BLOCK = 32  # OCP MX block
 # balanced stand-in): they take bf16 only, so tensorwise and mxfp8 feed them the fp8 values as
 # bf16 (exact) rather than XLA's ragged_dot, which on GPU costs G x the FLOPs (and a masked
 # [G, M, D] copy of the rows for a weight gradient); with them blockwise runs
-# maxmoe.parallel.fp8_grouped_kernel (the dry run: its stand-ins).
+# maxmoe.kernels.fp8_grouped (the dry run: its stand-ins).
 KERNEL_BACKENDS = ("mosaic_gpu", "tokamax", BALANCED_STAND_IN)
 
 
 class BlockwiseKernels(NamedTuple):
-    """The two GEMMs blockwise runs on instead of XLA's program (fp8_grouped_kernel's contracts)."""
+    """The two GEMMs blockwise runs on instead of XLA's program (maxmoe.kernels.fp8_grouped's contracts)."""
 
     gemm: Callable  # blockwise_grouped_gemm
     wgrad: Callable  # fp8_grouped_wgrad
@@ -100,7 +100,7 @@ def scaled_dot(a_MK, b_KN, recipe: str, gemm: str, kernels: BlockwiseKernels | N
     and returned in `out_dtype` (one rounding).
 
     kernels: blockwise through their block-scaled GEMM (one group): on one device's shard only
-    (maxmoe.parallel.fp8_dense), where XLA need not partition the kernel call.
+    (maxmoe.kernels.fp8_dense), where XLA need not partition the kernel call.
     """
     if recipe == "mxfp8":
         return _mx_dot(a_MK, b_KN, out_dtype)
@@ -243,7 +243,7 @@ def row_groups(group_sizes_G, rows: int):
 
 def blockwise_kernels(backend: str) -> BlockwiseKernels | None:
     """The GEMMs blockwise runs on beside the grouped `backend`, or None for XLA's program:
-    maxmoe.parallel.fp8_grouped_kernel's Triton kernels beside a GPU kernel backend where
+    maxmoe.kernels.fp8_grouped's Triton kernels beside a GPU kernel backend where
     Triton lowers (not when lowering for CUDA without a GPU under jax >= 0.11), their stand-ins
     beside the dry run's balanced stand-in."""
     if backend == BALANCED_STAND_IN:
@@ -321,7 +321,7 @@ def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, recipe: str, backend: str = "ragg
 
 
 def fp8_grouped_matmul(x_MD, w_GDF, group_sizes_G, recipe: str, backend: str = "ragged_dot"):
-    """`maxmoe.parallel.grouped_matmul.grouped_matmul` with its GEMMs in fp8 (`recipe` in RECIPES).
+    """`maxmoe.kernels.grouped_matmul.grouped_matmul` with its GEMMs in fp8 (`recipe` in RECIPES).
 
     `backend` runs mxfp8 (on the exactly rounded bf16/f32 values) and, when it is a kernel
     (KERNEL_BACKENDS), tensorwise's GEMMs and mxfp8's weight gradient on the fp8 values as bf16
@@ -374,7 +374,7 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def fp8_grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, recipe: str, backend: str):
-    """`maxmoe.parallel.grouped_matmul.grouped_swiglu` with its two grouped GEMMs in fp8 (the gate/up
+    """`maxmoe.kernels.grouped_matmul.grouped_swiglu` with its two grouped GEMMs in fp8 (the gate/up
     output carries the same name for the remat policies)."""
     f = w_gate_GDF.shape[2]
     w_gate_up_GD2F = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=2)

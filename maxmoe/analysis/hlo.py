@@ -22,7 +22,7 @@ Two texts, two questions:
 
 This is the one place that parses collectives out of program text; `maxmoe.info --lower`,
 the sweep's dry run and the benchmarks all read programs through it. Data dependences
-between collectives and GEMMs (the batch-split chains) are read by `maxmoe.hlo_deps`.
+between collectives and GEMMs (the batch-split chains) are read by `maxmoe.analysis.hlo_deps`.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 Legend: M rows, D input features, F output features, G groups (local experts).
 
 Backends (`moe.grouped_matmul`; `auto` is resolved per platform by
-`maxmoe.parallel.kernel_choice.resolve_grouped_matmul` before a program is built):
+`maxmoe.kernels.choice.resolve_grouped_matmul` before a program is built):
   "ragged_dot"  `jax.lax.ragged_dot`. On XLA:CPU a loop over groups; on XLA:GPU it is
                 rewritten into one dense dot over a group-broadcast, masked copy of the
                 rows: G times the useful FLOPs, padding rows included. The CPU choice.
   "mosaic_gpu"  jax's Pallas Mosaic GPU ragged-dot kernels (Hopper): only the valid row
                 tiles, forward and both gradients on the kernels
-                (`maxmoe.parallel.mosaic_ragged_dot`). bf16/f16; sizes multiples of 64.
+                (`maxmoe.kernels.mosaic_ragged_dot`). bf16/f16; sizes multiples of 64.
   "tokamax"     tokamax's ragged dot (`pip install tokamax`: Python >= 3.12, jax >= 0.11.1):
                 the library picks its Mosaic GPU (Hopper, Blackwell) or Triton kernel and
                 brings its own VJP; on CPU its XLA reference. Cannot be lowered without a GPU.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
-from maxmoe.parallel.mosaic_ragged_dot import mosaic_grouped_matmul, mosaic_grouped_wgrad
+from maxmoe.kernels.mosaic_ragged_dot import mosaic_grouped_matmul, mosaic_grouped_wgrad
 
 # The name remat policies save the gate/up GEMM output [M, 2F] by, whatever the backend
 # (maxmoe.parallel.dispatch_shard.EXPERT_MATMUL_NAMES).

@@ -6,7 +6,7 @@ per device:
   memory      compiled.memory_analysis(): arguments, outputs, temp, aliased (donated) and
               total = arguments + outputs - aliased + temp; `fits` = total <= --hbm-gb.
   collectives bytes each device puts on the wire per step, by kind, from the compiled HLO
-              (maxmoe.hlo.collective_bytes):
+              (maxmoe.analysis.hlo.collective_bytes):
               all-gather / all-to-all (P-1)/P of the result, reduce-scatter (P-1) x its
               result, all-reduce 2 (P-1)/P of it (ring), collective-permute its result,
               ops inside loops multiplied by the trip count (scanned layers, grad
@@ -19,12 +19,12 @@ per device:
               width, and the gradient reductions XLA:CPU leaves as all-reduce + slice of
               the shards as the reduce-scatters the GPU pipeline makes of them
               (`as_on_gpu`). The same bytes
-              split by pass (maxmoe.hlo.pass_of): forward, backward (where a rematerialised forward pass
+              split by pass (maxmoe.analysis.hlo.pass_of): forward, backward (where a rematerialised forward pass
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
   flops       analytic model FLOPs per device per step (maxmoe.flops), and the dot and
               convolution FLOPs of the compiled program per device per step
-              (maxmoe.hlo.dot_flops: loops x trip count, a conditional at its busiest branch).
+              (maxmoe.analysis.hlo.dot_flops: loops x trip count, a conditional at its busiest branch).
   bubble      with pipeline stages, the schedule's analytic bubble (P-1)/(M*V+P-1) and the
               measured one, 1 - F_ideal / F_pipeline. F_pipeline: the compiled program's dot
               FLOPs per device with every conditional at its busiest branch, i.e. as many as
@@ -43,9 +43,9 @@ per device:
               tick. An upper bound: a tick costs its busiest stage's work, less than the
               sum over conditionals of each one's busiest branch. The planner uses the
               analytic count instead (stage_imbalance, compute_scale:
-              maxmoe.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
+              maxmoe.analysis.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
               free, the end stages' extra work only on those stages.
-  prediction  with a system (`--system`): maxmoe.planner's step time, tokens/s, TFLOP/s per
+  prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
               GPU and bound from these FLOPs (those of the FP8 GEMMs apart: step_workload),
               collectives (as the GPU moves them, by tier and by whether they run once per
               step) and memory, and the per-GPU retention if the replicas (cross-domain
@@ -57,11 +57,11 @@ collective's shapes instead (the dispatch plan's a2a_impl="balanced_stand_in"): 
 all-to-all of min(N, M) rows -- what a native ragged all-to-all moves under balanced
 routing, (P-1)/P of the n x K token copies -- written into the same [M, D] output buffer.
 With it the grouped GEMM, where it would be XLA's ragged_dot, is a batched GEMM over equal
-blocks of the buffer (maxmoe.parallel.grouped_matmul's balanced stand-in): XLA:CPU expands
+blocks of the buffer (maxmoe.kernels.grouped_matmul's balanced stand-in): XLA:CPU expands
 ragged_dot's gradients into masked [G, M, D] copies of the rows (G local experts: 32 x the
 buffer at 32 experts per device), which no GPU kernel holds. With `model.fp8` the FP8 GEMMs
 follow, as on a kernel backend: blockwise's on the stand-ins of its kernels
-(maxmoe.parallel.fp8_grouped_kernel; the dense projections' too), the other recipes' fp8
+(maxmoe.kernels.fp8_grouped; the dense projections' too), the other recipes' fp8
 values through the bf16 stand-in, weight gradients included.
 `--a2a emulate` compiles the emulation as the CPU runs it, reports its all-to-all bytes as
 `emulated_all_to_all`, replaces them by the analytic native figure and marks the memory as
@@ -78,17 +78,18 @@ import dataclasses
 import math
 import time
 
-from maxmoe import planner
+from maxmoe.analysis import planner
+from maxmoe.analysis.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
+from maxmoe.analysis.hlo_slices import parse_computations, sliced_elements
+from maxmoe.analysis.hlo_widened import MOVING, narrowed_operands
 from maxmoe.config import Config, ConfigError
 from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part, fp8_flops_per_token
-from maxmoe.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
-from maxmoe.hlo_slices import parse_computations, sliced_elements
-from maxmoe.hlo_widened import MOVING, narrowed_operands
-from maxmoe.mesh import build_layout, device_domains
+from maxmoe.kernels.choice import Choice
+from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN
+from maxmoe.mesh import device_domains
 from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
-from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN
-from maxmoe.parallel.kernel_choice import Choice
+from maxmoe.parallel.layout import build_layout
 from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
 from maxmoe.training.stage_state import slot_layout
@@ -175,14 +176,14 @@ def as_on_gpu(
     """Rows of `collective_ops` with the bytes the GPU program moves where XLA:CPU differs; notes saying so.
 
     An all-reduce whose result elements are only ever sliced to each device's 1/P
-    (`sliced`: maxmoe.hlo_slices.sliced_elements of the same HLO; the partitioner's reduction
+    (`sliced`: maxmoe.analysis.hlo_slices.sliced_elements of the same HLO; the partitioner's reduction
     of a sharded weight's gradient) is, on the GPU, a reduce-scatter of those elements (XLA:GPU's
     reduce-scatter creator) in the dtype the slices hold: counted as one, half the bytes of
     the all-reduce at that dtype's width (XLA:CPU reduces bf16 in f32 between two converts).
 
     XLA:CPU runs bf16 collectives in f32 (float normalisation). A gather, all-to-all or permute
     whose operands' values passed through a narrower float type (`narrowed`:
-    maxmoe.hlo_widened.narrowed_operands of the same HLO: bf16 weights gathered for a GEMM,
+    maxmoe.analysis.hlo_widened.narrowed_operands of the same HLO: bf16 weights gathered for a GEMM,
     the dispatch's rows; with `moe.fp8_dispatch` the e4m3 rows XLA:CPU sends as f16) is
     counted at that type's width, and a reduction whose reducer XLA:CPU promoted from bf16 at
     bf16's. A cross-domain ZeRO-1 gradient reduction (scope `reduce_to_zero1`) still left an
@@ -314,7 +315,7 @@ def dry_run_layout(shaped: Config, devices: list, a2a: str = "proxy"):
         if plan.grouped_matmul == "ragged_dot":
             stand_in["grouped_matmul"] = BALANCED_STAND_IN
             # The layout's choice too: model.fp8's GEMMs then run as on a kernel backend
-            # (maxmoe.parallel.fp8_matmul.blockwise_kernels), the dense projections' included.
+            # (maxmoe.kernels.fp8_matmul.blockwise_kernels), the dense projections' included.
             kernel = Choice(BALANCED_STAND_IN, "dry run: the GPU kernels' buffers and FLOPs")
             layout = dataclasses.replace(layout, grouped_matmul=kernel)
         layout = dataclasses.replace(layout, dispatch_plan=dataclasses.replace(plan, **stand_in))
@@ -364,7 +365,7 @@ def dry_run_shape(
     """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
 
     `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring);
-    `system` (a key of maxmoe.planner.SYSTEMS) adds the planner's prediction for it;
+    `system` (a key of maxmoe.analysis.planner.SYSTEMS) adds the planner's prediction for it;
     `measure_bubble` (with stages) compiles the stage-less baseline for the measured bubble.
     """
     devices = list(mesh.devices.flat)

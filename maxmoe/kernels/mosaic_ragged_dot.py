@@ -35,7 +35,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from maxmoe.parallel.varying import vary_alike, vary_over, varying_axes
+from maxmoe.kernels.varying import vary_alike, vary_over, varying_axes
 
 BUCKETS = 4  # row prefixes the forward kernels may run on: M/4, M/2, 3M/4, M (in whole row blocks)
 HOPPER_SMS = 132  # H100 / H200 SXM; used only when lowering for CUDA without a GPU in this process
@@ -229,7 +229,7 @@ def make_grouped_matmul(kernels: Kernels):
     grouped_matmul.defvjp(forward, backward)
 
     def call(x_MK, w_GKN, sizes_G):
-        x_MK, w_GKN, sizes_G = vary_alike(x_MK, w_GKN, sizes_G)  # maxmoe.parallel.varying: why
+        x_MK, w_GKN, sizes_G = vary_alike(x_MK, w_GKN, sizes_G)  # maxmoe.kernels.varying: why
         axes = varying_axes(x_MK)
         return grouped_matmul(x_MK, w_GKN, sizes_G, axes)
 
@@ -260,7 +260,7 @@ def check_operands(x_MK, w_GKN) -> None:
 def mosaic_grouped_matmul(x_MK, w_GKN, sizes_G):
     """Rows sorted by group times their group's weight, on jax's Hopper Mosaic GPU kernels.
 
-    Same contract as `maxmoe.parallel.grouped_matmul.grouped_matmul`: rows past
+    Same contract as `maxmoe.kernels.grouped_matmul.grouped_matmul`: rows past
     sum(sizes_G) give zeros; the result has x's dtype; differentiable in x and w.
     """
     check_operands(x_MK, w_GKN)

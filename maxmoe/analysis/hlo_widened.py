@@ -10,13 +10,13 @@ async starts), the narrowest float type its values passed through on the way: ba
 operand through ops that keep values (bitcast, copy, convert, reshape, transpose, slices,
 broadcast), into fusions through their root and out through their parameters. A value that
 passed through bf16 is a bf16 value whatever it is widened to after. Reductions are
-`maxmoe.hlo_slices`' and `maxmoe.hlo.collective_ops`' `promoted` flag.
+`maxmoe.analysis.hlo_slices`' and `maxmoe.analysis.hlo.collective_ops`' `promoted` flag.
 """
 
 from __future__ import annotations
 
-from maxmoe.hlo import DTYPE_BYTES, array_types
-from maxmoe.hlo_slices import CALLS_RE, parse_computations
+from maxmoe.analysis.hlo import DTYPE_BYTES, array_types
+from maxmoe.analysis.hlo_slices import CALLS_RE, parse_computations
 
 MOVING = ("all-gather", "all-to-all", "collective-permute")
 _KEEP_VALUES = ("bitcast", "copy", "convert", "reshape", "transpose", "slice", "dynamic-slice", "broadcast")
@@ -25,10 +25,10 @@ _MAX_DEPTH = 24
 
 
 def narrowed_operands(hlo_text: str, parsed: dict | None = None) -> dict[str, list[tuple[int, str, str]]]:
-    """For each data-moving collective (by instruction name, as maxmoe.hlo.collective_ops'
+    """For each data-moving collective (by instruction name, as maxmoe.analysis.hlo.collective_ops'
     rows name them) with some operand narrower than compiled: per operand, (bytes as compiled,
     its compiled dtype, the narrowest float dtype its values passed through). `parsed`: the
-    text's maxmoe.hlo_slices.parse_computations, where the caller has it."""
+    text's maxmoe.analysis.hlo_slices.parse_computations, where the caller has it."""
     parsed = parsed or parse_computations(hlo_text)
     out = {}
     for comp in parsed.values():

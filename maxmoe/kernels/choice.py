@@ -1,6 +1,6 @@
 """Which grouped-matmul and attention implementation `auto` means on a platform and device kind.
 
-The choice is made once, when a layout is built (`maxmoe.mesh.build_layout`), for the
+The choice is made once, when a layout is built (`maxmoe.parallel.layout.build_layout`), for the
 platform the program is compiled for -- which may not be this process's (lowering for CUDA
 on a CPU host) -- and is reported by `python -m maxmoe.info --json` and in the run's log.
 
@@ -20,7 +20,7 @@ dense rewrite: G x the FLOPs) stays, and the reason says so. A CUDA target of un
 device kind counts as Hopper (the GPUs this project is measured on; pass a device kind to
 be exact). Kernels that need bf16 fall back when the model computes in float32.
 With `model.fp8=blockwise` the grouped choice also decides the FP8 GEMMs: under mosaic_gpu or
-tokamax every blockwise GEMM runs maxmoe's Triton kernels (maxmoe.parallel.fp8_grouped_kernel),
+tokamax every blockwise GEMM runs maxmoe's Triton kernels (maxmoe.kernels.fp8_grouped),
 under ragged_dot XLA's program.
 """
 
@@ -31,9 +31,9 @@ import dataclasses
 import jax
 
 from maxmoe.config import ConfigError
-from maxmoe.parallel.attention_kernels import triton_lowers_here
-from maxmoe.parallel.grouped_matmul import tokamax_problem
-from maxmoe.parallel.mosaic_ragged_dot import KernelUnavailable, mosaic_modules
+from maxmoe.kernels.attention import triton_lowers_here
+from maxmoe.kernels.grouped_matmul import tokamax_problem
+from maxmoe.kernels.mosaic_ragged_dot import KernelUnavailable, mosaic_modules
 
 HOPPER = ("H100", "H200", "H800", "H20", "GH200")
 BLACKWELL = ("B100", "B200", "B300", "GB200", "GB300", "BLACKWELL")

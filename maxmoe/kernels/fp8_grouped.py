@@ -5,8 +5,8 @@
 aq [M, K] e4m3 with a float32 scale per row and 128 columns (1x128 tiles), bq [G, N, K] e4m3
 (contraction last) with a float32 scale per 128 of the contraction and per output column (a
 128x128 block's scale repeated over its 128 columns), rows sorted by group as
-`maxmoe.parallel.grouped_matmul` has them. This is the forward and input-gradient GEMM of
-`model.fp8=blockwise` (maxmoe.parallel.fp8_matmul). XLA has no such kernel: its program runs
+`maxmoe.kernels.grouped_matmul` has them. This is the forward and input-gradient GEMM of
+`model.fp8=blockwise` (maxmoe.kernels.fp8_matmul). XLA has no such kernel: its program runs
 one fp8 `ragged_dot` per 128 of the contraction, and XLA:GPU rewrites each into a dense dot of
 G x the FLOPs.
 
@@ -38,8 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxmoe.parallel.grouped_matmul import BALANCED_STAND_IN, balanced_blocks, grouped_wgrad, keep_live
-from maxmoe.parallel.varying import sum_over_blocks, vary_alike
+from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN, balanced_blocks, grouped_wgrad, keep_live
+from maxmoe.kernels.varying import sum_over_blocks, vary_alike
 
 TILE = 128  # the recipe's contraction block; also the kernel's K step
 BLOCK_M = 128
@@ -199,7 +199,7 @@ def fp8_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G, *, interpret=False):
 # Dry-run stand-ins: the kernels do not compile for a CPU, so the dry run's GPU-shaped program
 # (grouped backend `balanced_stand_in`) calls these instead: the kernels' operands, result and
 # FLOPs, groups taken as G equal blocks of rows as the bf16 stand-in takes them
-# (maxmoe.parallel.grouped_matmul). With M/G rows in every group their values are the kernels'.
+# (maxmoe.kernels.grouped_matmul). With M/G rows in every group their values are the kernels'.
 
 
 def balanced_blockwise_gemm(aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, *, out_dtype=jnp.float32):

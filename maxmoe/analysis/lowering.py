@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import jax
 
+from maxmoe.analysis.hlo import collective_spans, count_collectives
 from maxmoe.config import Config
-from maxmoe.hlo import collective_spans, count_collectives
-from maxmoe.mesh import build_layout
+from maxmoe.parallel.layout import build_layout
 from maxmoe.training.programs import build_programs
 
 

@@ -3,7 +3,7 @@
 XLA's SPMD partitioner cannot split a custom call such as maxmoe's Triton kernel: it would run
 it on gathered operands. So with `model.fp8=blockwise` on a GPU target the dense projections
 run inside a `shard_map` laid out from the projection's logical axes, and their three GEMMs
-(forward, dx, dw) go through `maxmoe.parallel.fp8_grouped_kernel` with one group:
+(forward, dx, dw) go through `maxmoe.kernels.fp8_grouped` with one group:
 
   x [batch..., K]  sharded as the rules give its batch dims and its contraction K
   w [K, N]         K as x's, N over its own axes not already used by x (the rest gathered,
@@ -33,10 +33,10 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from maxmoe.parallel.fp8_matmul import TILE, blockwise_dot_quantized, fp8_matmul, scaled_dot
-from maxmoe.parallel.fp8_quant import E4M3, quantize
-from maxmoe.parallel.replicas import axes_of, shard_map_in_context
-from maxmoe.parallel.varying import vary_alike, vary_over, varying_axes
+from maxmoe.kernels.fp8_matmul import TILE, blockwise_dot_quantized, fp8_matmul, scaled_dot
+from maxmoe.kernels.fp8_quant import E4M3, quantize
+from maxmoe.kernels.shard_context import axes_of, shard_map_in_context
+from maxmoe.kernels.varying import vary_alike, vary_over, varying_axes
 
 
 def _entry(axes: tuple[str, ...]):
@@ -120,7 +120,7 @@ def sharded_fp8_projection(mesh, x_spec: PartitionSpec, w_spec: PartitionSpec, r
     """fn(x [..., K], w [K, N]) -> [..., N]: fp8_matmul with `kernels` on each device's shards.
 
     x_spec, w_spec: how the rules shard x and w (the specs of their logical axes); kernels:
-    maxmoe.parallel.fp8_matmul.blockwise_kernels of the grouped backend.
+    maxmoe.kernels.fp8_matmul.blockwise_kernels of the grouped backend.
     """
 
     def run(x, w_KN):

@@ -1,7 +1,7 @@
 """Causal flash-attention kernels for MLA's shapes, and the shard_map that runs them on a mesh.
 
 Kernels (the model picks one by name through its layout; `auto` is resolved in
-`maxmoe.parallel.kernel_choice`):
+`maxmoe.kernels.choice`):
   triton  jax's Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`):
           forward and backward kernels, causal blocks above the diagonal skipped. On CPU it
           runs in Pallas interpret mode (slow; the tests' oracle check).
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxmoe.parallel.replicas import shard_map_in_context
+from maxmoe.kernels.shard_context import shard_map_in_context
 
 KERNELS = ("triton", "cudnn", "tokamax")
 # Triton pads the head dim to a power of two (192 -> 256); 64 x 64 forward tiles of 256

@@ -18,7 +18,7 @@ xla.profile). The model, per device and per step; every assumption is a field of
               compute_scale (pipeline_compute_scale: the schedule's bubble and the busiest
               stage's extra work); the growth is the step part "pipeline bubble".
   collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link_efficiency[tier]).
-              Bytes are what each device puts on the wire (maxmoe.hlo's ring factors), the
+              Bytes are what each device puts on the wire (maxmoe.analysis.hlo's ring factors), the
               bandwidth is per GPU per direction, hops = P - 1 for one ring pass (all-gather,
               reduce-scatter), 2 (P - 1) for an all-reduce, 1 for an all-to-all or a permute.
               tier: scale_up (inside a scale-up domain) or scale_out (replica groups that
@@ -274,7 +274,7 @@ def workload_from_ops(
     memory_bytes: float = 0.0,
     optimizer_bytes: float = 0.0,
 ) -> Workload:
-    """A Workload from maxmoe.hlo.collective_ops rows (as the GPU moves them: maxmoe.dry_run.as_on_gpu).
+    """A Workload from maxmoe.analysis.hlo.collective_ops rows (as the GPU moves them: maxmoe.analysis.dry_run.as_on_gpu).
 
     Rows group into classes by (tier, kind, phase); phase "step" = rows that run once.
     """
