@@ -38,7 +38,7 @@ ATTENTION_OUT = "attention_out"  # MLA output [B, T, D] before the residual add
 #                   n x K x D x b and the counts; no collective runs again backward
 #   save_moe        save_comm + the expert GEMMs' gate/up (2 x M x F x b) + attention output
 #   save_dots_comm  save_comm + the expert gate/up + save_matmuls' dots
-# docs/PERFORMANCE.md has the bytes per policy for the shipped configs.
+# docs/perf-log.md ("remat policies") has the bytes per policy for the shipped configs.
 _policies = jax.checkpoint_policies
 COMM_SAVING_POLICIES = ("save_comm", "save_moe", "save_dots_comm")  # run no collective again backward
 REMAT_POLICIES = {
