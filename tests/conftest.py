@@ -3,10 +3,16 @@
 The tests compare numbers, not speed, so XLA:CPU compiles with its cheap LLVM settings (the
 dry run's FAST_CPU_COMPILE): the suite spends most of its time compiling small programs, and
 this takes about a third off it. A setting already in XLA_FLAGS is kept.
+
+Many tests (and the jobs they start as subprocesses) compile the same small programs: jax's
+persistent compilation cache, shared by the suite's workers and jobs, compiles each once. Its
+key is the program, the XLA flags and the jax and jaxlib versions, so a stale entry is never
+used; `JAX_COMPILATION_CACHE_DIR` set by the caller wins.
 """
 
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,8 @@ _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if flag_name(f) != 
 _flags += [f for f in as_flags(FAST_CPU_COMPILE) if flag_name(f) not in {flag_name(g) for g in _flags}]
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--{_DEVICE_COUNT}=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "maxmoe-tests-jax-cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))  # bytes; least recently used go first
 
 
 def job_env(**extra: str) -> dict:
