@@ -1,6 +1,6 @@
 """`python -m maxmoe.check` (or `python -m maxmoe.info --check`): the kernels this device runs, against XLA.
 
-    python -m maxmoe.check [--json rows.jsonl]
+    python -m maxmoe.check [--json rows.jsonl] [--only CHECK ...] [--preflight]
 
 Run it on a new GPU machine before a long job (about a minute). First a preflight line: device
 kind and compute capability, jax and CUDA versions, cuDNN's version, whether ptxas / nvJitLink
@@ -348,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maxmoe.check", description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="append the preflight and each row to this file (JSON lines)")
     parser.add_argument("--only", action="append", choices=list(CHECKS), help="run only this check (repeatable)")
+    parser.add_argument("--preflight", action="store_true", help="print the preflight line only")
     args = parser.parse_args(argv)
+    if args.preflight:
+        print(preflight_line(preflight()))
+        return 0
     rows = run_all(args.json, args.only)
     bad = [r.check for r in rows if r.status in ("fail", "error")]
     print(f"check: {len(rows) - len(bad)} of {len(rows)} ran clean" + (f"; failed: {', '.join(bad)}" if bad else ""))

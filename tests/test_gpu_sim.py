@@ -6,6 +6,7 @@ abstractly and lower for CUDA with the kernels `auto` picks there.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from simulated_gpu import KINDS, simulated_gpu
 
 from maxmoe.config import load_config
 from maxmoe.kernels import attention as attention_kernels
@@ -114,3 +116,99 @@ def test_an_unpadded_buffer_builds_one_forward_kernel_per_gemm():
     )(x, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(oracle)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# The GPU suite's programs under a simulated H200 (sm_90) and B200 (sm_100) process.
+
+PROXY = str(REPO / "configs/proxy_1gpu.yaml")
+SUITE = REPO / "benchmarks/gpu_suite.sh"
+# Reduced depth: one dense and one MoE layer (each a scanned stack, so depth changes no kernel)
+# plus the MTP block for auto; the one-factor variants leave MTP out (the same Block again).
+DEPTH = ["model.num_layers=2"]
+SHALLOW = [*DEPTH, "model.mtp_num_layers=0"]
+# Variants of the suite's step parts that cannot be lowered here, with the reason.
+NOT_LOWERED = {
+    "model.attention=cudnn": "cuDNN attention asks the GPU's cuDNN for its version while tracing",
+    "model.attention=tokamax": "tokamax is not in the test extra",
+    "moe.grouped_matmul=tokamax": "tokamax is not in the test extra",
+}
+
+
+def suite_variants() -> list[str]:
+    """The --variant overrides of gpu_suite.sh's step parts on a GPU (read from the script itself,
+    so a variant added there is lowered here), and the model.fp8 recipes the suite does not time."""
+    from maxmoe.config import FP8_RECIPES
+
+    text = SUITE.read_text().split("# GPU run", 1)[1].split("# end of GPU run", 1)[0]
+    found = [v for v in re.findall(r'--variant "([^"]*)"', text) if v]  # "": auto, lowered on its own
+    return list(dict.fromkeys(found + [f"model.fp8={r}" for r in FP8_RECIPES]))
+
+
+def xla_ragged_dots(stablehlo: str) -> int:
+    """How many XLA ragged_dot ops a lowered program holds (not Mosaic's ragged dot kernel)."""
+    return len(re.findall(r"\b(?:chlo|stablehlo)\.ragged_dot\b", stablehlo))
+
+
+def custom_call_targets(stablehlo: str) -> list[str]:
+    """The kernels a lowered program calls: its custom-call targets."""
+    return sorted(set(re.findall(r"custom_call @([^\s(]+)", stablehlo)))
+
+
+def lower_programs(kind: str, overrides: list[str], with_eval: bool) -> dict[str, str]:
+    """Build the programs of proxy_1gpu + overrides in a simulated `kind` process, initialise them
+    abstractly and lower the train (and eval) step for CUDA; StableHLO text per program."""
+    from maxmoe.parallel.layout import build_layout
+    from maxmoe.training.programs import build_programs
+
+    with simulated_gpu(KINDS[kind], count=1) as cpu_devices:
+        config = load_config([PROXY], overrides)
+        layout = build_layout(config, devices=cpu_devices[:1])
+        programs = build_programs(config, layout)
+        state = jax.eval_shape(programs.init, jax.random.key(0))
+        assert jax.tree.structure(state) == jax.tree.structure(programs.abstract_state)
+        batch = programs.abstract_batch(config)
+        texts = {"train": programs.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()}
+        if with_eval:
+            lowered = programs.eval_step.trace(state.params, state.router, batch).lower(lowering_platforms=("cuda",))
+            texts["eval"] = lowered.as_text()
+        texts["kernels"] = f"{layout.grouped_matmul.name}+{layout.attention.name}"
+    return texts
+
+
+def check_kernels(kind: str, variant: str, texts: dict[str, str]) -> None:
+    """The kernels auto picks on `kind` are in every program; on sm_90 none runs XLA's ragged_dot."""
+    fp8 = dict(o.split("=") for o in variant.split()).get("model.fp8", "none")
+    for program in ("train", "eval"):
+        if program not in texts:
+            continue
+        targets = custom_call_targets(texts[program])
+        print(f"{kind} {variant or 'auto'} {program} ({texts['kernels']}): custom calls {targets}")
+        assert any("triton" in t for t in targets), targets  # flash attention (and blockwise's GEMMs)
+        if kind == "sm_90":
+            assert texts["kernels"] == "mosaic_gpu+triton"
+            assert xla_ragged_dots(texts[program]) == 0, "XLA's ragged_dot in an sm_90 program"
+            assert any("mosaic_gpu" in t for t in targets) == (fp8 != "blockwise"), targets
+        else:
+            assert texts["kernels"] == "ragged_dot+triton"  # no tokamax here: XLA's grouped GEMM, said so
+            assert xla_ragged_dots(texts[program]) > 0  # the detector finds what sm_90 must not have
+            assert not any("mosaic_gpu" in t for t in targets), targets
+        if fp8 == "mxfp8":
+            assert any("block_scaled_dot" in t for t in targets), targets
+
+
+def variant_params():
+    params = [pytest.param(kind, "", id=f"{kind}-auto") for kind in KINDS]
+    for variant in suite_variants():
+        marks = [pytest.mark.skip(reason=NOT_LOWERED[variant])] if variant in NOT_LOWERED else []
+        params += [pytest.param(kind, variant, id=f"{kind}-{variant}", marks=marks) for kind in KINDS]
+    return params
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(("kind", "variant"), variant_params())
+def test_suite_programs_lower_for_cuda_with_the_kernels_auto_picks(kind, variant):
+    """auto: train and eval programs with MTP; each variant changes one factor and is lowered as a
+    train program (the eval program is the same forward pass, which the train program holds)."""
+    texts = lower_programs(kind, [*(DEPTH if not variant else SHALLOW), *variant.split()], with_eval=not variant)
+    check_kernels(kind, variant, texts)
