@@ -118,6 +118,30 @@ def test_an_unpadded_buffer_builds_one_forward_kernel_per_gemm():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.smoke
+def test_the_fixture_answers_as_the_gpu_and_lets_triton_lower_on_every_jax():
+    """Inside: the process is an sm_90 / sm_100 GPU to maxmoe and to jax's Triton and Mosaic GPU
+    lookups, and Triton lowers for CUDA (jax >= 0.11 asks the GPU while lowering: without the
+    fixture it cannot, and `auto` falls back to chunked). Outside: the CPU again."""
+    import jax.extend.backend as jex_backend
+
+    from maxmoe.kernels.choice import resolve_kernels, target
+
+    config = load_config([PROXY], [])
+    for kind in KINDS.values():
+        with simulated_gpu(kind) as cpu_devices:
+            assert target() == ("cuda", kind.device_kind) and jax.default_backend() == "gpu"
+            assert jax.local_devices(backend="gpu")[0].compute_capability == kind.compute_capability
+            assert jex_backend.get_default_device().compute_capability == kind.compute_capability
+            assert attention_kernels.triton_lowers_here() == ""
+            assert resolve_kernels(config).attention.name == "triton"
+            assert all(d.platform == "cpu" for d in cpu_devices)
+    assert target() == ("cpu", "cpu")
+    old_jax = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
+    assert (attention_kernels.triton_lowers_here() == "") == old_jax
+    assert resolve_kernels(config, "cuda", "NVIDIA H200").attention.name == ("triton" if old_jax else "chunked")
+
+
 # ----------------------------------------------------------------------------------------
 # The GPU suite's programs under a simulated H200 (sm_90) and B200 (sm_100) process.
 
