@@ -26,7 +26,6 @@ mode in float32. Exit status 0 when no check failed, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -118,6 +117,13 @@ def grouped_check(backend: str):
         raise Unavailable(tokamax_problem())
     if not on_gpu():
         raise Unavailable("needs a GPU (the kernel has no interpret mode)")
+    from maxmoe.config import ConfigError
+    from maxmoe.kernels.choice import resolve_grouped_matmul, target
+
+    try:
+        resolve_grouped_matmul(backend, *target())
+    except ConfigError as e:  # e.g. Mosaic GPU's wgmma kernel on a GPU that is not Hopper
+        raise Unavailable(str(e)) from None
     x, w, sizes = _grouped_inputs(jnp.bfloat16)
     got = value_and_grads(lambda x, w: grouped_matmul(x, w, sizes, backend=backend), x, w)
     want = value_and_grads(
@@ -322,6 +328,8 @@ def run_all(json_path: str | None = None, only: list[str] | None = None, out=Non
     out = out or sys.stdout
     info = preflight()
     print(preflight_line(info), file=out, flush=True)
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     sink = open(json_path, "a") if json_path else None  # noqa: SIM115 - closed below, written row by row
     try:
         if sink:
@@ -345,7 +353,9 @@ def run_all(json_path: str | None = None, only: list[str] | None = None, out=Non
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: run every check; exit 1 if any failed or crashed."""
-    parser = argparse.ArgumentParser(prog="python -m maxmoe.check", description=__doc__.splitlines()[0])
+    from maxmoe.cli import _Parser  # usage errors as one `maxmoe: error: ...` line, exit status 2
+
+    parser = _Parser(prog="python -m maxmoe.check", description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="append the preflight and each row to this file (JSON lines)")
     parser.add_argument("--only", action="append", choices=list(CHECKS), help="run only this check (repeatable)")
     parser.add_argument("--preflight", action="store_true", help="print the preflight line only")

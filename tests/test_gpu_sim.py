@@ -60,10 +60,11 @@ def test_logits_on_a_length_the_kernel_cannot_take_fall_back_to_xla_and_say_so(k
     """Triton takes lengths divisible by 16: at 8 tokens logits() runs xla (with a warning) and
     equals the xla model; at 16 tokens the kernel is what runs (traced only: its values against
     xla are test_kernels' business)."""
-    model = tiny_model("model.attention=triton")
+    dense = "model.num_layers=1"  # one dense layer: the attention core is what this is about
+    model = tiny_model(dense, "model.attention=triton")
     variables = jax.jit(init_variables, static_argnums=0)(model, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, model.vocab_size)
-    oracle = jax.jit(lambda v, t: logits(tiny_model("model.attention=xla"), v, t))(variables, tokens)
+    oracle = jax.jit(lambda v, t: logits(tiny_model(dense, "model.attention=xla"), v, t))(variables, tokens)
     run = jax.jit(lambda v, t: logits(model, v, t))
     with pytest.warns(UserWarning, match="divisible by 16; got 8"):
         short = run(variables, tokens[:, :8])
