@@ -13,10 +13,21 @@ test could see). `simulated_gpu(kind)` patches the places jax 0.10 - 0.12 answer
         GPU transposed ragged dot reads (`jax.devices()[0].core_count`) and the shared memory
         per block Mosaic GPU checks (`shared_memory_per_block_optin`)
   jax.extend.backend.get_default_device()
-        Mosaic GPU's target architecture (`_infer_arch`, jax >= 0.10)
+        Mosaic GPU's target architecture (`_infer_arch`: jax 0.10 in mosaic/gpu/core.py, 0.12 in
+        mosaic/gpu/utils.py; a device without a compute capability counts as sm_90 there)
   jax._src.pallas.triton.gpu_info.get_gpu_info()
         the GPU jax >= 0.11 lowers a Triton kernel for (from the default device's kind; on a
         CPU host it raises, so without this Triton cannot be lowered there at all)
+
+What each jax needs it for (tests/test_gpu_sim.py, run under 0.10.2 and 0.12):
+  jax 0.10   Triton and Mosaic GPU lower for CUDA on a CPU host anyway (both assume sm_90); the
+             fixture makes the process's device kind a GPU's, so `auto` and everything that
+             asks "what am I on" answer as on the GPU (the init blocker showed only so)
+  jax 0.12   as 0.10, and Triton lowers at all only inside the fixture (outside, `auto` falls
+             back to chunked attention and blockwise FP8 to XLA's program)
+jax 0.11 (the GPU image's) is not installed here: the fixture patches `gpu_info` where that
+module exists and the device queries everywhere, the lookups 0.10 and 0.12 use. cuDNN
+attention asks the real cuDNN while tracing and is not simulated.
 
 Arrays, meshes and compilation still use the CPU devices: pass `cpu_devices` (taken before
 the patch) wherever a mesh is built. Nothing here runs a kernel.
