@@ -38,7 +38,8 @@ def attention_fn(name, chunk, platform):
     return lambda q, k, v, s: kernel(name)(q, k, v, s, interpret=platform != "gpu")
 
 
-def run_case(case, names, dtype_name, chunk, repeats):
+def run_case(case, names, dtype_name, chunk, repeats, emit=lambda rows: None):
+    """Rows for one (B, H, T); `emit(rows so far)` after each implementation's row."""
     import jax
     import jax.numpy as jnp
 
@@ -60,10 +61,12 @@ def run_case(case, names, dtype_name, chunk, repeats):
             if tokamax_problem():
                 row["status"] = f"not available: {tokamax_problem()}"
                 rows.append(row)
+                emit(rows)
                 continue
         elif name in ("triton", "cudnn") and platform != "gpu":
             row["status"] = f"not run: {name} needs an NVIDIA GPU"
             rows.append(row)
+            emit(rows)
             continue
         attend = attention_fn(name, chunk, platform)
 
@@ -71,7 +74,8 @@ def run_case(case, names, dtype_name, chunk, repeats):
             return jnp.sum(attend(q, k, v, QK**-0.5).astype(jnp.float32) * ct)
 
         try:
-            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower().compile()
+            forward_backward = jax.value_and_grad(loss, argnums=(0, 1, 2))
+            compiled = jax.jit(forward_backward).trace(q, k, v).lower().compile()
             memory = compiled.memory_analysis()
             jax.block_until_ready(compiled(q, k, v))
             start = time.perf_counter()
@@ -88,6 +92,7 @@ def run_case(case, names, dtype_name, chunk, repeats):
         except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
             row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         rows.append(row)
+        emit(rows)
     return rows
 
 
@@ -104,11 +109,22 @@ def main(argv=None):
 
     cases = args.case or [(1, 128, 4096), (8, 16, 4096)]
     names = args.impl or list(IMPLEMENTATIONS)
-    rows = [r for case in cases for r in run_case(case, names, args.dtype, args.chunk, args.repeats)]
     device = jax.devices()[0]
     command = " ".join(
         shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
     )
+
+    def write(rows):
+        """The rows so far, so a run cut off by its time limit keeps what it measured."""
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            result = {"command": command, "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows}
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+    rows = []
+    for case in cases:
+        done = list(rows)
+        rows += run_case(case, names, args.dtype, args.chunk, args.repeats, lambda new, done=done: write(done + new))
     print(f"$ {command}")
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {args.dtype}, qk {QK} v {V}, causal")
     head = f"{'case':<20} {'impl':<8} {'f+b ms':>9} {'TFLOP/s':>8} {'temp GB':>8}  status"
@@ -119,14 +135,7 @@ def main(argv=None):
         tf = f"{r['tflops']:.1f}" if r["tflops"] is not None else "-"
         mem = f"{r['temp_gb']:.2f}" if r["temp_gb"] is not None else "-"
         print(f"{r['case']:<20} {r['impl']:<8} {ms:>9} {tf:>8} {mem:>8}  {r['status']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps(
-                {"command": command, "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows},
-                indent=1,
-            )
-        )
+    write(rows)
     return 0
 
 

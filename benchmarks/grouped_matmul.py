@@ -79,7 +79,9 @@ def _functions(backend, dtype):
     def loss(x, w, sizes, ct):
         return jnp.sum(forward(x, w, sizes, ct).astype(jnp.float32) * ct)
 
-    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1)))
+    # value_and_grad: the GEMM is linear, so jax.grad alone would let XLA drop the forward and the
+    # row would time dx and dw only while crediting 3x the forward's FLOPs.
+    return jax.jit(forward), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
 def _unavailable(backend, platform, dtype_name):
@@ -99,8 +101,8 @@ def _unavailable(backend, platform, dtype_name):
     return ""
 
 
-def run_shape(name, shape, valid, backends, dtype_name, repeats):
-    """Rows of the table for one shape."""
+def run_shape(name, shape, valid, backends, dtype_name, repeats, emit=lambda rows: None):
+    """Rows of the table for one shape; `emit(rows so far)` after each backend's row."""
     import jax
     import jax.numpy as jnp
 
@@ -141,6 +143,7 @@ def run_shape(name, shape, valid, backends, dtype_name, repeats):
                     message = str(e).splitlines()[0][:120] if str(e) else ""
                     row[part]["status"] = f"failed: {type(e).__name__}: {message}"
         rows.append(row)
+        emit(rows)
     dense = {part: rows[0][part]["tflops"] for part in ("fwd", "fwd_bwd")} if backends[0] == "dense" else {}
     for row in rows:
         for part in ("fwd", "fwd_bwd"):
@@ -218,8 +221,30 @@ def main(argv=None):
     device = jax.devices()[0]
     peak = matmul_peak(args.peak, getattr(jnp, args.dtype), args.repeats) if args.peak else None
     rows = []
+
+    def write(rows):
+        """The rows so far, so a run cut off by its time limit keeps what it measured."""
+        if not args.json:
+            return
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "command": command,
+            "device_kind": device.device_kind,
+            "jax": jax.__version__,
+            "dtype": args.dtype,
+            "valid": args.valid,
+            "peak": peak,
+            "shapes": shapes,
+            "rows": rows,
+        }
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+    write(rows)
     for name, shape in shapes.items():
-        rows += run_shape(name, shape, args.valid, backends, args.dtype, args.repeats)
+        done = list(rows)
+        rows += run_shape(
+            name, shape, args.valid, backends, args.dtype, args.repeats, lambda new, done=done: write(done + new)
+        )
     print(f"$ {command}")
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {args.dtype}, valid rows {args.valid:.0%}")
     for name, s in shapes.items():
@@ -227,23 +252,7 @@ def main(argv=None):
     if peak:
         print(f"matmul peak: {peak['tflops']:.2f} TFLOP/s ({args.peak}^3, {peak['ms']:.3f} ms)")
     print(format_table(rows))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "command": command,
-                    "device_kind": device.device_kind,
-                    "jax": jax.__version__,
-                    "dtype": args.dtype,
-                    "valid": args.valid,
-                    "peak": peak,
-                    "shapes": shapes,
-                    "rows": rows,
-                },
-                indent=1,
-            )
-        )
+    write(rows)
     return 0
 
 

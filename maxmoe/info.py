@@ -4,6 +4,7 @@ python -m maxmoe.info --config configs/deepseek_v3_671b.yaml [key=value ...] [--
 python -m maxmoe.info --config configs/proxy_1gpu.yaml --platform cuda --device-kind "NVIDIA H200" --json
 python -m maxmoe.info --config configs/tiny.yaml run.cpu_devices=8 mesh.expert=8 --lower cuda
 python -m maxmoe.info --config configs/tiny.yaml run.cpu_devices=8 mesh.pipeline=2 mesh.expert=4 train.grad_accum=2 --lower cuda
+python -m maxmoe.info --check      # this device's kernels against XLA (maxmoe.check); no config needed
 
 The kernel choices are what `auto` (or the config) resolves to for --platform (default: this
 process's) and --device-kind (default: this device's on this platform; on another platform
@@ -24,8 +25,16 @@ from maxmoe.flops import count_params, flops_per_token
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--check" in argv:  # the on-device kernel check needs no config: its own arguments follow
+        from maxmoe import check
+
+        return check.main([a for a in argv if a != "--check"])
     parser = make_parser("python -m maxmoe.info", __doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--check", action="store_true", help="check this device's kernels against XLA (python -m maxmoe.check --help)"
+    )
     parser.add_argument(
         "--lower",
         choices=["cuda"],

@@ -38,6 +38,7 @@ KERNELS = ("triton", "cudnn", "tokamax")
 # columns fit the shared memory of Hopper with two pipeline stages, 128 x 128 would not.
 TRITON_BLOCK = 64
 TRITON_BACKWARD_BLOCK = 32
+TRITON_MIN_BLOCK = 16  # the smallest tile the kernel takes: sequence lengths must be multiples of it
 
 
 def _triton_module():
@@ -88,13 +89,21 @@ def _pad_value_dim(q_BTHK, v_BSHK):
 
 
 def _block(size: int, preferred: int) -> int:
-    """The largest power-of-two tile <= preferred that divides size (at least 16)."""
+    """The largest power-of-two tile <= preferred that divides size (at least TRITON_MIN_BLOCK)."""
+    problem = length_problem("triton", size)
+    if problem:
+        raise ValueError(problem)
     block = preferred
-    while block > 16 and size % block:
+    while block > TRITON_MIN_BLOCK and size % block:
         block //= 2
-    if size % block:
-        raise ValueError(f"flash attention needs a sequence length divisible by 16; got {size}")
     return block
+
+
+def length_problem(name: str, seq_len: int) -> str:
+    """Why attention kernel `name` cannot take a sequence of `seq_len` tokens ('' when it can)."""
+    if name == "triton" and seq_len % TRITON_MIN_BLOCK:
+        return f"flash attention needs a sequence length divisible by {TRITON_MIN_BLOCK}; got {seq_len}"
+    return ""
 
 
 def triton_attention(q_BTHK, k_BSHK, v_BSHK, scale: float, *, interpret: bool = False):

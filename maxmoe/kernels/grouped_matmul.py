@@ -39,7 +39,7 @@ EXPERT_GATE_UP = "moe_expert_gate_up"
 BALANCED_STAND_IN = "balanced_stand_in"
 
 
-def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
+def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot", padded: bool = True):
     """Multiply each group of rows of `x_MD` by that group's weight matrix.
 
     Rows are sorted by group: rows [sum(group_sizes[:g]), sum(group_sizes[:g+1]))
@@ -52,6 +52,7 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
         w_GDF: [G, D, F] one weight matrix per group.
         group_sizes_G: [G] int, rows per group; sum <= M.
         backend: one of maxmoe.config.GROUPED_MATMUL_BACKENDS (already resolved: not "auto").
+        padded: False promises sum(group_sizes) == M, so kernels need not size work to the valid rows.
 
     Returns:
         [M, F] in the dtype of `x_MD`.
@@ -62,7 +63,7 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
     if backend == "ragged_dot":
         out_MF = jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
     elif backend == "mosaic_gpu":
-        out_MF = mosaic_grouped_matmul(x_MD, w_GDF, group_sizes_G)
+        out_MF = mosaic_grouped_matmul(x_MD, w_GDF, group_sizes_G, padded=padded)
     elif backend == "tokamax":
         out_MF = _tokamax(x_MD, w_GDF, group_sizes_G)
     elif backend == "dense_loop":
@@ -75,7 +76,9 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot"):
     return out_MF.astype(x_MD.dtype)
 
 
-def grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, *, backend: str = "ragged_dot"):
+def grouped_swiglu(
+    x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, *, backend: str = "ragged_dot", padded: bool = True
+):
     """down(silu(x @ gate) * (x @ up)) per group, with gate and up as one [D, 2F] GEMM.
 
     The weights stay separate parameters (checkpoints and the HF mapping keep w_gate and
@@ -83,9 +86,10 @@ def grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, *, bac
     """
     f = w_gate_GDF.shape[2]
     w_gate_up_GD2F = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=2)
-    gate_up_M2F = checkpoint_name(grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, backend=backend), EXPERT_GATE_UP)
+    gate_up_M2F = grouped_matmul(x_MD, w_gate_up_GD2F, group_sizes_G, backend=backend, padded=padded)
+    gate_up_M2F = checkpoint_name(gate_up_M2F, EXPERT_GATE_UP)
     hidden_MF = jax.nn.silu(gate_up_M2F[:, :f]) * gate_up_M2F[:, f:]
-    return grouped_matmul(hidden_MF, w_down_GFD, group_sizes_G, backend=backend)
+    return grouped_matmul(hidden_MF, w_down_GFD, group_sizes_G, backend=backend, padded=padded)
 
 
 def tokamax_problem() -> str:

@@ -18,7 +18,7 @@ What this wrapper adds:
 - work that scales with the valid rows: the forward kernel walks every row tile of its
   input, valid or not, so the rows are cut to the smallest of `BUCKETS` static prefixes
   (multiples of the row block) that holds them, chosen at run time by `lax.switch`; only
-  that branch runs. The weight-gradient kernel visits only each group's own row blocks.
+  that branch runs. A buffer without padding (one device: every row valid) builds one. The weight-gradient kernel visits only each group's own row blocks.
 - the SM count: the transposed kernel reads `jax.devices()[0].core_count`, which a CPU host
   lowering for CUDA does not have; there the target's count is supplied (`HOPPER_SMS`).
 
@@ -173,7 +173,11 @@ def mosaic_kernels() -> Kernels:
             grid_block_n=1,
         )
 
-    return Kernels(forward, weight_grad)
+    # Each call is its own jit: jax lowers a jitted function once per module for each distinct
+    # shape, so the copies a program holds of one GEMM (remat's recomputation, the MTP layer's
+    # block, each bucket's backward) share one kernel lowering, the slow part of lowering
+    # these kernels. XLA inlines the calls; nothing changes at run time.
+    return Kernels(jax.jit(forward, static_argnames="transpose_rhs"), jax.jit(weight_grad))
 
 
 def bucket_sizes(rows: int, block: int, buckets: int = BUCKETS) -> tuple[int, ...]:
@@ -188,11 +192,11 @@ def _valid_rows(out, total):
     return jnp.where(rows < total, out, jnp.zeros((), out.dtype))
 
 
-def _bucketed_forward(kernels: Kernels, x_MK, w, sizes_G, transpose_rhs: bool):
-    """forward() on the smallest row prefix that holds every group's rows; zeros elsewhere."""
+def _bucketed_forward(kernels: Kernels, x_MK, w, sizes_G, transpose_rhs: bool, buckets: int = BUCKETS):
+    """forward() on the smallest of `buckets` row prefixes that holds every group's rows; zeros elsewhere."""
     m = x_MK.shape[0]
     total = jnp.sum(sizes_G)
-    prefixes = bucket_sizes(m, Blocks().m)
+    prefixes = bucket_sizes(m, Blocks().m, buckets)
 
     def run(rows):
         def branch(x_MK, w, sizes_G):
@@ -211,27 +215,27 @@ def _bucketed_forward(kernels: Kernels, x_MK, w, sizes_G, transpose_rhs: bool):
 def make_grouped_matmul(kernels: Kernels):
     """A differentiable grouped matmul fn(x[M, K], w[G, K, N], sizes) -> [M, N] (x's dtype) over `kernels`."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def grouped_matmul(x_MK, w_GKN, sizes_G, axes):
-        return vary_over(_bucketed_forward(kernels, x_MK, w_GKN, sizes_G, transpose_rhs=False), axes)
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def grouped_matmul(x_MK, w_GKN, sizes_G, axes, buckets):
+        return vary_over(_bucketed_forward(kernels, x_MK, w_GKN, sizes_G, False, buckets), axes)
 
-    def forward(x_MK, w_GKN, sizes_G, axes):
-        return grouped_matmul(x_MK, w_GKN, sizes_G, axes), (x_MK, w_GKN, sizes_G)
+    def forward(x_MK, w_GKN, sizes_G, axes, buckets):
+        return grouped_matmul(x_MK, w_GKN, sizes_G, axes, buckets), (x_MK, w_GKN, sizes_G)
 
-    def backward(axes, residuals, dy_MN):
+    def backward(axes, buckets, residuals, dy_MN):
         x_MK, w_GKN, sizes_G = residuals
         # Rows past the groups carry no gradient; zero them so the kernels never read garbage.
         dy_MN = _valid_rows(dy_MN.astype(x_MK.dtype), jnp.sum(sizes_G))
-        dx_MK = _bucketed_forward(kernels, dy_MN, w_GKN, sizes_G, transpose_rhs=True)
+        dx_MK = _bucketed_forward(kernels, dy_MN, w_GKN, sizes_G, True, buckets)
         dw_GKN = kernels.weight_grad(x_MK, dy_MN, sizes_G).astype(w_GKN.dtype)
         return vary_over(dx_MK, axes), vary_over(dw_GKN, axes), None
 
     grouped_matmul.defvjp(forward, backward)
 
-    def call(x_MK, w_GKN, sizes_G):
+    def call(x_MK, w_GKN, sizes_G, buckets=BUCKETS):
         x_MK, w_GKN, sizes_G = vary_alike(x_MK, w_GKN, sizes_G)  # maxmoe.kernels.varying: why
         axes = varying_axes(x_MK)
-        return grouped_matmul(x_MK, w_GKN, sizes_G, axes)
+        return grouped_matmul(x_MK, w_GKN, sizes_G, axes, buckets)
 
     return call
 
@@ -257,14 +261,16 @@ def check_operands(x_MK, w_GKN) -> None:
     pick_blocks(w_GKN.shape[2], w_GKN.shape[1])
 
 
-def mosaic_grouped_matmul(x_MK, w_GKN, sizes_G):
+def mosaic_grouped_matmul(x_MK, w_GKN, sizes_G, *, padded: bool = True):
     """Rows sorted by group times their group's weight, on jax's Hopper Mosaic GPU kernels.
 
     Same contract as `maxmoe.kernels.grouped_matmul.grouped_matmul`: rows past
     sum(sizes_G) give zeros; the result has x's dtype; differentiable in x and w.
+    `padded=False` promises sum(sizes_G) == M (one device's sorted token copies): only the
+    whole-buffer kernels are built, not one per row bucket.
     """
     check_operands(x_MK, w_GKN)
-    return _mosaic_grouped_matmul()(x_MK, w_GKN, sizes_G.astype(jnp.int32))
+    return _mosaic_grouped_matmul()(x_MK, w_GKN, sizes_G.astype(jnp.int32), BUCKETS if padded else 1)
 
 
 def mosaic_grouped_wgrad(x_MK, dy_MN, sizes_G):

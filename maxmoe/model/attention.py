@@ -10,13 +10,15 @@ Axis legend: B batch, T query time, S key time, D embed, H heads, K head dim, L 
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxmoe.kernels.attention import kernel
+from maxmoe.kernels.attention import kernel, length_problem
 from maxmoe.kernels.choice import resolve_attention, target
 from maxmoe.model.attention_ops import chunked_attention, xla_attention
 from maxmoe.model.layers import RMSNorm, constrain, logical_param, project
@@ -36,6 +38,17 @@ def attention_core(config, layout: Any = None):
     if layout is not None:
         return layout.attention_fn(name)
     return lambda q, k, v, scale: kernel(name)(q, k, v, scale, interpret=jax.default_backend() != "gpu")
+
+
+def attention_for_length(config, seq_len: int):
+    """`config` (a ModelConfig), or a copy with the `xla` core where the kernel its attention
+    resolves to on this process's platform cannot take `seq_len` tokens; a warning says so."""
+    name = resolve_attention(config.attention, *target(), config.compute_dtype).name
+    problem = length_problem(name, seq_len)
+    if not problem:
+        return config
+    warnings.warn(f"attention {name} cannot run this call, xla attention runs instead: {problem}", stacklevel=3)
+    return dataclasses.replace(config, attention="xla")
 
 
 class MLA(nn.Module):

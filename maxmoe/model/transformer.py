@@ -10,6 +10,7 @@ variable, so compile time does not grow with depth.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import ModelConfig
-from maxmoe.model.attention import MLA
+from maxmoe.model.attention import MLA, attention_for_length
 from maxmoe.model.layers import Embed, RMSNorm, SwiGLU, constrain, logical_param
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.dispatch import COMM_NAMES, EXPERT_MATMUL_NAMES
@@ -181,9 +182,12 @@ def init_variables(config: ModelConfig, rng: jax.Array) -> dict:
 
     Only the initialisers run (flax's lazy_init): the forward pass that creates the variables
     is traced abstractly and left out of a compiled program. The `moe_stats` a forward pass
-    writes are outputs, not variables a model keeps, and are left out.
+    writes are outputs, not variables a model keeps, and are left out. The attention core has
+    no parameters, so that trace uses the `xla` core: a kernel may refuse the 8-token probe
+    sequence or need a GPU to trace, and initialisation must run anywhere.
     """
-    variables = build_model(config).lazy_init(rng, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    model = build_model(dataclasses.replace(config, attention="xla"))
+    variables = model.lazy_init(rng, jax.ShapeDtypeStruct((1, 8), jnp.int32))
     return {"params": variables["params"], "router": variables.get("router", {})}
 
 
@@ -198,7 +202,12 @@ def abstract_variables(config: ModelConfig, *, boxed: bool = False) -> dict:
 
 
 def logits(config: ModelConfig, variables: dict, tokens_BT) -> jax.Array:
-    """Main-model logits [B, T, V] (float32) for int token ids [B, T]; variables hold params and router."""
+    """Main-model logits [B, T, V] (float32) for int token ids [B, T]; variables hold params and router.
+
+    A length the attention kernel cannot take runs the `xla` core instead, with a warning.
+    """
     variables = {k: v for k, v in nn.unbox(variables).items() if k in ("params", "router")}
-    out, _ = build_model(config).apply(variables, jnp.asarray(tokens_BT, jnp.int32), mutable=["moe_stats"])
+    tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+    model = build_model(attention_for_length(config, tokens_BT.shape[1]))
+    out, _ = model.apply(variables, tokens_BT, mutable=["moe_stats"])
     return out[0]

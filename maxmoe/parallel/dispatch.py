@@ -100,7 +100,7 @@ def local_routed_experts(
     order = jnp.argsort(flat_ids, stable=True)
     rows_MD = x_ND[order // k]
     group_sizes_E = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
-    out_MD = expert_swiglu(rows_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend, fp8)
+    out_MD = expert_swiglu(rows_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend, fp8, padded=False)
     copies_NKD = jnp.zeros_like(out_MD).at[order].set(out_MD).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", copies_NKD, weights_NK.astype(copies_NKD.dtype))
 

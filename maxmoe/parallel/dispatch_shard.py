@@ -49,14 +49,15 @@ COMM_NAMES = (DISPATCH_COUNTS, DISPATCH_ROWS, DISPATCH_META, COMBINE_ROWS, EMULA
 EXPERT_MATMUL_NAMES = (EXPERT_GATE_UP,)
 
 
-def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot", fp8="none"):
+def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot", fp8="none", padded=True):
     """SwiGLU of each row through its group's expert; rows sorted by expert (gate and up as one GEMM).
 
     fp8: "none" or a recipe of maxmoe.kernels.fp8_matmul for both grouped GEMMs.
+    padded: False when every row belongs to a group (maxmoe.kernels.grouped_matmul).
     """
     if fp8 != "none":
         return fp8_grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, fp8, backend)
-    return grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend=backend)
+    return grouped_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend=backend, padded=padded)
 
 
 def chunk_slices(starts, sizes, chunks):
