@@ -88,18 +88,18 @@ def _content_hash(path: str, remembered: dict[str, str]) -> str:
 
 def _load_remembered(base: Path) -> dict[str, str]:
     try:
-        return {**json.loads((base / "text-hashes.json").read_text()), **_HASHES_SEEN}
+        return {**json.loads((base / "file-hashes.json").read_text()), **_HASHES_SEEN}
     except (OSError, ValueError):
         return dict(_HASHES_SEEN)
 
 
 def _store_remembered(base: Path, remembered: dict[str, str]) -> None:
     _HASHES_SEEN.update(remembered)
-    tmp = base / f".text-hashes.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = base / f".file-hashes.json.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         base.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(remembered))
-        os.replace(tmp, base / "text-hashes.json")
+        os.replace(tmp, base / "file-hashes.json")
     except OSError:
         pass  # only a shortcut: the hashes are recomputed next time
     finally:
