@@ -103,7 +103,8 @@ class Trainer:
         if restored is not None:
             self.state, self.step = restored.state, restored.step
             self.train_data.set_state(restored.data)
-            self._say(f"maxmoe: resumed from {self.checkpointer.directory}, step {self.step}")
+            if self.step < t.steps:
+                self._say(f"maxmoe: resumed from {self.checkpointer.directory}, step {self.step}")
         else:
             key = jax.random.key(t.seed)
             self.state = self._compiled("the parameter initialisation", self.programs.init, key)(key)
@@ -169,7 +170,7 @@ class Trainer:
         compiled = fn.lower(*args).compile()
         seconds = time.perf_counter() - start
         self._seconds["compiling"] += seconds
-        self._say(f"maxmoe: compiled in {seconds:.1f}s")
+        self._say(f"maxmoe: compiled {what} in {seconds:.1f}s")
         return compiled
 
     def _init_from_step(self) -> int:
