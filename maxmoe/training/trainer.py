@@ -398,10 +398,10 @@ def summary(trainer: Trainer) -> list[str]:
     python = _python()
     if trainer.stop_reason and trainer.stop_reason != BAD_STEPS:
         lines.append("maxmoe: next: the same command again resumes from the last checkpoint")
-    prompt = "import os" if trainer.config.data.kind == "stdlib" else "The"
+    prompt = "def main(" if trainer.config.data.kind == "stdlib" else "The"
     lines.append(
         f'maxmoe: next: {python} -m maxmoe.generate --run {run_dir} --prompt "{prompt}" '
-        f"--max-new-tokens 200 --temperature 0.8 --top-k 20"
+        f"--max-new-tokens 120 --temperature 0.6 --top-k 5"
     )
     lines.append(f"maxmoe:       {python} -m maxmoe.report {run_dir}    # writes {run_dir / 'report.png'}")
     return lines
