@@ -253,3 +253,60 @@ def test_data_path_trains_on_that_text_and_the_terminal_console_tells_the_run(tm
     assert summary[1] == f"maxmoe: final loss {history[-2]['loss']:.4f}, eval_loss {history[-1]['eval_loss']:.4f}"
     assert summary[2].startswith(f"maxmoe: {run_dir}/: checkpoints/ (step 4), metrics.jsonl, config.yaml")
     assert f"-m maxmoe.generate --run {run_dir}" in summary[3] and f"-m maxmoe.report {run_dir}" in summary[4]
+
+
+# --------------------------------------------------------------------------- pictures
+
+
+def test_report_names_the_run_and_its_numbers(tmp_path):
+    from maxmoe import report
+
+    run_dir = tmp_path / "tmpabc123" / "my-run"
+    run_dir.mkdir(parents=True)
+    config = load_config(TINY)
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    records = [
+        {
+            "step": s,
+            "loss": 3.0,
+            "lm_loss": 2.5,
+            "mtp_loss": 1.5,
+            "lr": 1e-3,
+            "tokens_per_s": 2048.0,
+            "step_time_s": 1.0,
+        }
+        for s in (10, 20, 30)
+    ] + [{"step": 20, "eval_loss": 2.4}, {"step": 30, "eval_loss": 2.6}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fig = report.figure(run_dir)
+    title = fig._suptitle.get_text().splitlines()
+    params = f"{report.count_params(config.model)['params_total']:,} parameters"
+    assert title[0] == "my-run" and params in title[1]  # the run's name, not the folder it sits in
+    assert "batch 16 x 128, 61,440 tokens to step 30; 0m30s in train steps" in title[1]  # 3 intervals of 10 x 1 s
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "train MTP loss" in legend
+    assert "eval loss (final 2.600; best 2.400 at step 20)" in legend
+    assert f"uniform over 260 tokens ({np.log(260):.2f})" in legend
+
+
+def test_sweep_plot_has_a_title_a_memory_scale_of_its_own_and_says_where(tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from maxmoe import sweep
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k))[1])
+
+    results = [
+        {"name": f"data={d},expert={e},tensor=1", "memory": {"total": m}, "collectives": {"all-to-all": 2e6}}
+        for d, e, m in ((8, 1, 40e6), (4, 2, 30e6), (2, 4, 25e6))
+    ]
+    out = tmp_path / "plots" / "sweep.png"
+    assert sweep.plot(results, str(out), dry_run=True, hbm_gb=141.0) is None
+    assert out.is_file() and capsys.readouterr().out == f"maxmoe: wrote {out}\n"
+    (fig,) = drawn
+    memory = fig.axes[0]
+    assert fig._suptitle.get_text().startswith("mesh shapes for 8 devices (3 shapes), dry run")
+    assert memory.get_ylabel() == "memory per device (MB)" and 40 <= memory.get_ylim()[1] < 100  # bars, not HBM
+    assert [t.get_text() for t in memory.get_legend().get_texts()] == ["HBM 141 GB (off scale)"]
