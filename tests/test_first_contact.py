@@ -2,7 +2,9 @@
 the console (compiles announced, honest step times, a line per interval, a closing summary),
 and one-line answers to the usual first mistakes."""
 
+import contextlib
 import gzip
+import io
 import json
 import os
 import pty
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import numpy as np
@@ -24,6 +27,7 @@ from maxmoe.data import EOS_ID, data_folders, load_tokens, make_dataset, read_me
 from maxmoe.data.__main__ import main as data_main
 from maxmoe.data.text_cache import token_folder_for
 from maxmoe.train import main as train_main
+from maxmoe.training import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -95,6 +99,19 @@ def test_globs_and_folders_of_documents(tmp_path):
         token_folder_for(str(tmp_path / "empty"), cache_dir=cache)
 
 
+def test_tokenising_shows_progress(tmp_path, capsys, monkeypatch):
+    from maxmoe.data import text_cache
+
+    monkeypatch.setattr(text_cache, "_PROGRESS_EVERY_S", 0.0)  # a line per document instead of every 2 s
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": "x" * 10}) + "\n" for _ in range(2)))
+    token_folder_for(str(tmp_path / "*.jsonl"), cache_dir=str(tmp_path / "cache"))
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("maxmoe:   ")]
+    assert [line.split(" (")[0] for line in progress] == [
+        f"maxmoe:   {10 * n:,} tokens, {n} documents, file {1 + (n - 1) // 2} of 2" for n in range(1, 5)
+    ]
+
+
 @pytest.mark.smoke
 def test_data_path_under_a_source_that_ignores_it_is_one_line(capsys, tmp_path):
     for source in ("stdlib", "synthetic"):
@@ -126,7 +143,26 @@ def stdlib_run(tmp_path_factory):
             trainer.state, metrics = trainer._train_step(trainer.state, batch)
             jax.block_until_ready(metrics)
             steps.append(time.perf_counter() - start)
-        return dict(history=trainer.history, loop=loop, one_eval=one_eval, one_step=min(steps))
+        seen = dict(history=trainer.history, loop=loop, one_eval=one_eval, one_step=min(steps), run_dir=run_dir)
+    # A new run started from this one's weights says so (the parameter init compiles; nothing trains).
+    started = {**overrides, "checkpoint.init_from": str(run_dir), "run.dir": str(run_dir.parent / "tuned")}
+    console = io.StringIO()
+    programs = trainer.programs  # the same model on the same device: its compiled init is reused
+    with (
+        mock.patch.object(trainer_lib, "build_programs", lambda config, layout: programs),
+        contextlib.redirect_stdout(console),
+        Trainer(load_config(TINY, {**started, "run.progress": "plain"}), devices=jax.devices()[:1]),
+    ):
+        pass
+    seen["init_from console"] = console.getvalue().splitlines()
+    return seen
+
+
+def test_a_run_says_which_weights_it_started_from(stdlib_run):
+    lines = stdlib_run["init_from console"]
+    assert f"maxmoe: initialised from {stdlib_run['run_dir']}, step 4" in lines  # the four steps of that run
+    assert not any("initialised at random" in line for line in lines)
+    assert "maxmoe: compiling the parameter initialisation ..." in lines
 
 
 def test_step_times_are_steps_to_completion_without_eval(stdlib_run):

@@ -167,7 +167,10 @@ def token_folder_for(
         flush=True,
     )
     start = time.perf_counter()
-    encoder = Encoder(tokenizer)
+    try:
+        encoder = Encoder(tokenizer)
+    except UserError as e:  # its messages name the prepare command's option
+        raise UserError(str(e).replace("--tokenizer ", "data.tokenizer=", 1)) from None
     try:
         meta = write_token_folder(
             folder,
