@@ -31,11 +31,11 @@ from maxmoe.training import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-# One dense and one MoE layer, no MTP, short windows: the cheapest model with expert dispatch.
+# One MoE layer, no MTP, short windows: the cheapest model with expert dispatch.
 SMALL = {
     "model.compute_dtype": "float32",
-    "model.num_layers": 2,
-    "model.first_k_dense": 1,
+    "model.num_layers": 1,
+    "model.first_k_dense": 0,
     "model.mtp_num_layers": 0,
     "train.batch_size": 8,
     "train.seq_len": 32,
