@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from maxmoe.config import Config, UserError, describe_keys, load_config
+from maxmoe.config import Config, UserError, _all_keys, describe_keys, load_config
 from maxmoe.data import resolve_vocab_size
 
 
@@ -26,7 +26,26 @@ class _ConfigParser(_Parser):
     """Options and `section.key=value` overrides in any order (`... train.steps=5 --print-config`)."""
 
     def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse hook
+        self._argv = list(sys.argv[1:] if args is None else args)
         return self.parse_intermixed_args(args, namespace)
+
+    def error(self, message):  # noqa: D102 - argparse hook
+        raise UserError(message + option_hint(getattr(self, "_argv", [])))
+
+
+def option_hint(argv: list[str]) -> str:
+    """For `--steps 50` (an option where config takes a key): '; ... train.steps=50'; else ''."""
+    keys = _all_keys()
+    for index, word in enumerate(argv):
+        name = word[2:].split("=", 1)[0].replace("-", "_")
+        if not word.startswith("--") or not name:
+            continue
+        matches = [key for key in keys if key.split(".", 1)[1] == name]
+        if len(matches) == 1:
+            following = argv[index + 1] if index + 1 < len(argv) and "=" not in argv[index + 1] else "VALUE"
+            value = word.split("=", 1)[1] if "=" in word else following
+            return f"; config keys are set as section.key=value: {matches[0]}={value}"
+    return ""
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -250,16 +250,30 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = _field(
-        "stdlib",
-        choices=("stdlib", "synthetic", "shards"),
-        doc="stdlib: the Python standard library as bytes; synthetic: random tokens; shards: token folders",
+        "auto",
+        choices=("auto", "stdlib", "synthetic", "shards"),
+        doc="auto: shards when data.path or data.mixture is given, else stdlib; stdlib: the Python standard "
+        "library as bytes; synthetic: random tokens; shards: data.path or data.mixture",
     )
-    path: str = _field("", doc="shards: folder written by `python -m maxmoe.data prepare`")
+    path: str = _field(
+        "",
+        doc="a token folder (`python -m maxmoe.data prepare`), or text to tokenise once into data.cache_dir: "
+        "a .txt/.jsonl/.jsonl.gz/.parquet file, a glob, or a folder of them",
+    )
     mixture: dict = _field(
         {}, doc="shards: several folders and their weights, {folder: weight, ...}, instead of data.path"
     )
-    cache_dir: str = _field("", doc="stdlib token cache; empty: ~/.cache/maxmoe")
-    eval_fraction: float = _field(0.05, gt=0, doc="stdlib: share of tokens held out for eval")
+    tokenizer: str = _field("byte", doc="data.path text: 'byte' or a Hugging Face tokenizer.json")
+    text_key: str = _field("text", doc="data.path text: the field of .jsonl records and .parquet rows")
+    cache_dir: str = _field("", doc="token cache of the stdlib corpus and of data.path text; empty: ~/.cache/maxmoe")
+    eval_fraction: float = _field(0.05, gt=0, doc="stdlib and data.path text: share of tokens held out for eval")
+
+    @property
+    def kind(self) -> str:
+        """The source in effect: data.source, with auto resolved (shards when a path or mixture is given)."""
+        if self.source != "auto":
+            return self.source
+        return "shards" if self.path or self.mixture else "stdlib"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +294,11 @@ class CheckpointConfig:
 class RunConfig:
     """Where output goes and how the process runs."""
 
-    dir: str = _field("runs/default", doc="metrics, resolved config, XLA flags and checkpoints go here")
+    dir: str = _field(
+        "runs/default",
+        doc="metrics, resolved config, XLA flags and checkpoints go here; unset: runs/<stem of the --config "
+        "file> (files merged: stems joined by '+'; a file named config.yaml: its folder's name)",
+    )
     cpu_devices: int = _field(0, ge=0, doc="on a CPU host: N host devices; 0: leave as is")
     tensorboard: bool = _field(False, doc="also write TensorBoard events (needs tensorboardX)")
     peak_tflops: float = _field(0.0, ge=0, doc="per-device peak for MFU; 0: from the device kind")
@@ -488,7 +506,8 @@ def load_config(
     (values read as YAML, as on the command line) or a dict {"section.key": value}.
     """
     raw: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
-    for path in [files] if isinstance(files, (str, Path)) else files:
+    files = [files] if isinstance(files, (str, Path)) else list(files)
+    for path in files:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
@@ -509,7 +528,19 @@ def load_config(
                 raise _unknown(str(section), list(_SECTION_CLASSES))
             _merge_section(section, raw[section], updates, path)
     _apply_overrides(raw, overrides)
+    if files and "dir" not in raw["run"]:
+        raw["run"]["dir"] = default_run_dir(files)
     return build_config(raw)
+
+
+def default_run_dir(files: list) -> str:
+    """run.dir when no file or override sets it: runs/<config file stem>, one folder per config.
+
+    Several files give their stems joined by '+'; a file named config.yaml (what `convert
+    from-hf` writes) is named by its folder.
+    """
+    names = [Path(f).parent.name or "config" if Path(f).stem == "config" else Path(f).stem for f in files]
+    return "runs/" + "+".join(names)
 
 
 def _apply_overrides(raw: dict[str, dict], overrides: list[str] | tuple[str, ...] | dict[str, Any]) -> None:
@@ -672,8 +703,17 @@ def _validate_pipeline(config: Config, stages: int) -> None:
 
 
 def _validate_shards(data: DataConfig) -> None:
-    """data.path or data.mixture (one, not both) for data.source=shards; mixture weights are positive numbers."""
-    if data.source != "shards":
+    """data.path or data.mixture (one, not both) for data.source=shards; mixture weights are positive numbers.
+
+    A path or mixture under a source that reads neither is refused, not ignored.
+    """
+    if data.kind != "shards":
+        if data.path or data.mixture:
+            given = f"data.path={data.path}" if data.path else "data.mixture"
+            raise ConfigError(
+                f"{given} is not read with data.source={data.source}; leave data.source out (auto) "
+                f"or set data.source=shards to train on it"
+            )
         return
     if data.path and data.mixture:
         raise ConfigError("data.path and data.mixture both given; use data.mixture alone for several folders")

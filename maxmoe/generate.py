@@ -100,7 +100,7 @@ def tokenizer_for(folder: str | Path, spec: str = "") -> ByteTokenizer | JsonTok
             f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
         )
     run_config = load_config(config_path)
-    if run_config.data.source in ("stdlib", "synthetic"):
+    if run_config.data.kind in ("stdlib", "synthetic"):
         return ByteTokenizer()
     data_folder = data_folders(run_config)[0][0]  # a mixture's folders share one vocabulary
     name = read_meta(data_folder).get("tokenizer", "")

@@ -2,7 +2,9 @@
 
     python -m maxmoe.report runs/tiny                 # writes runs/tiny/report.png
 
-Panels: train loss (total and next-token) with eval loss; learning rate; tokens/s with MFU;
+Title: the run's name and a summary (parameters, batch, tokens seen, time in train steps).
+Panels: train loss (total, next-token, MTP) with eval loss (final and best in the legend) and
+the loss of a uniform guess over the vocabulary; learning rate; tokens/s with MFU;
 gradient norm; and a heatmap of expert load per MoE layer over the steps (max/mean load:
 1 is perfectly balanced, num_experts / experts_per_token when every token picks the same
 experts). The heatmap reads the per-layer lists `moe_layer_imbalance` of
@@ -25,7 +27,9 @@ import numpy as np
 import yaml
 
 from maxmoe.cli import _Parser, main_guard
-from maxmoe.config import UserError
+from maxmoe.config import ConfigError, UserError, build_model_config
+from maxmoe.flops import count_params
+from maxmoe.training.progress import format_duration
 
 LAYER_IMBALANCE_KEY = "moe_layer_imbalance"  # per-layer max/mean load lists in metrics.jsonl
 
@@ -50,14 +54,44 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
+def _run_config(run_dir: Path | None) -> dict:
+    """The run's config.yaml as a dict ({} when absent or unreadable: the report draws without it)."""
+    if run_dir is None or not (Path(run_dir) / "config.yaml").is_file():
+        return {}
+    try:
+        raw = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    except yaml.YAMLError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def run_summary(records: Sequence[dict], config: dict) -> str:
+    """One line: parameters, batch, tokens seen and time in train steps (what the config and records tell)."""
+    parts = []
+    model, train = config.get("model") or {}, config.get("train") or {}
+    try:
+        counts = count_params(build_model_config(model)) if model else None
+    except ConfigError:
+        counts = None
+    if counts:
+        parts.append(f"{counts['params_total']:,} parameters ({counts['params_active']:,} active per token)")
+    batch, seq_len = train.get("batch_size"), train.get("seq_len")
+    steps = [r for r in records if isinstance(r.get("step_time_s"), (int, float))]
+    last = max((r["step"] for r in records), default=0)
+    if isinstance(batch, int) and isinstance(seq_len, int):
+        parts.append(f"batch {batch} x {seq_len}, {last * batch * seq_len:,} tokens to step {last}")
+    if steps:
+        seconds, previous = 0.0, None
+        for r in sorted(steps, key=lambda r: r["step"]):  # step_time_s is the mean over the logged interval
+            seconds += r["step_time_s"] * (r["step"] - (previous if previous is not None else 0))
+            previous = r["step"]
+        parts.append(f"{format_duration(seconds)} in train steps")
+    return "; ".join(parts)
+
+
 def _layer_names(run_dir: Path | None, count: int) -> list[str]:
     """'layer 1', ..., 'MTP 1' when the run's config.yaml accounts for `count` MoE layers; else 'MoE 0', ..."""
-    model = {}
-    if run_dir is not None and (run_dir / "config.yaml").is_file():
-        try:
-            model = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model", {}) or {}
-        except (yaml.YAMLError, AttributeError):
-            model = {}
+    model = _run_config(run_dir).get("model") or {}
     first, layers, mtp = (model.get(k) for k in ("first_k_dense", "num_layers", "mtp_num_layers"))
     if all(isinstance(v, int) for v in (first, layers, mtp)) and layers - first + mtp == count:
         return [f"layer {i}" for i in range(first, layers)] + [f"MTP {k}" for k in range(1, mtp + 1)]
@@ -101,28 +135,44 @@ def _matplotlib_figure():
 def figure(source: Any, *, expert_loads: Sequence[tuple[int, Any]] | None = None, title: str | None = None):
     """A matplotlib Figure of a run: `source` is a run folder, a Trainer, or a list of metrics records."""
     run_dir = None
+    config = {}
     if isinstance(source, (str, Path)):
         run_dir = Path(source)
         records = read_metrics(run_dir)
-        title = title if title is not None else str(run_dir)
     elif hasattr(source, "history"):  # a Trainer
         records = list(source.history)
         expert_loads = expert_loads if expert_loads is not None else getattr(source, "expert_loads", None)
         run_dir = getattr(source, "run_dir", None)
-        title = title if title is not None else str(run_dir or "")
+        config = source.config.to_dict() if hasattr(source, "config") else {}
     else:
         records = list(source)
+    config = config or _run_config(run_dir)
+    if title is None and run_dir is not None:
+        title = Path(run_dir).resolve().name  # the run's name, not the folder it happens to sit in
     train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
+    evals = [r for r in records if r.get("eval_loss") is not None]
     fig = _matplotlib_figure()(figsize=(12, 10), layout="constrained")
     grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 1.2])
-    if title:
-        fig.suptitle(title)
+    summary = run_summary(records, config)
+    if title or summary:
+        fig.suptitle("\n".join(t for t in (title, summary) if t))
 
     ax = fig.add_subplot(grid[0, 0])
-    for key, label in (("loss", "train loss (with MTP, balance)"), ("lm_loss", "train next-token loss")):
-        ax.plot(*_series(train, key), label=label)
-    ax.plot(*_series(evals, "eval_loss"), "o-", label="eval loss")
+    for key, label in (
+        ("loss", "train loss (with MTP, balance)"),
+        ("lm_loss", "train next-token loss"),
+        ("mtp_loss", "train MTP loss"),
+    ):
+        if any(r.get(key) for r in train):  # a model without MTP logs 0
+            ax.plot(*_series(train, key), label=label)
+    if evals:
+        best = min(evals, key=lambda r: r["eval_loss"])
+        label = f"eval loss (final {evals[-1]['eval_loss']:.3f}; best {best['eval_loss']:.3f} at step {best['step']})"
+        ax.plot(*_series(evals, "eval_loss"), "o-", label=label)
+    vocab = (config.get("model") or {}).get("vocab_size")
+    if isinstance(vocab, int) and vocab > 1:
+        uniform = float(np.log(vocab))
+        ax.axhline(uniform, color="gray", linestyle=":", label=f"uniform over {vocab} tokens ({uniform:.2f})")
     ax.set(title="loss (nats)", xlabel="step")
     ax.legend(fontsize=8)
 
@@ -149,10 +199,11 @@ def figure(source: Any, *, expert_loads: Sequence[tuple[int, Any]] | None = None
     steps, matrix, per_layer = layer_imbalance(records, expert_loads)
     if steps:
         names = _layer_names(run_dir, matrix.shape[0]) if per_layer else ["max over layers"]
-        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma", vmin=1.0)
+        # Columns placed at their steps (logged every train.log_every), so the axis has even step ticks.
+        half = (steps[-1] - steps[0]) / max(len(steps) - 1, 1) / 2 or 0.5
+        extent = (steps[0] - half, steps[-1] + half, len(names) - 0.5, -0.5)
+        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma", vmin=1.0, extent=extent)
         fig.colorbar(image, ax=ax, label="max / mean expert load")
-        ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int)
-        ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
         ax.set_yticks(range(len(names)), names)
     ax.set(title="expert load per MoE layer (1 = balanced)", xlabel="step")
     return fig

@@ -270,7 +270,11 @@ def format_predictions(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | None:
-    """Bar charts per shape (memory and bytes, or throughput); None when matplotlib is missing."""
+    """Bar charts per shape (memory and bytes, or throughput), titled, written to `path` (said on
+    stdout); returns why not when matplotlib is missing, else None.
+
+    The memory panel's unit and scale follow the shapes (MB for a small model); the HBM line is
+    drawn when it is within reach of the bars, else named in the legend with its distance."""
     try:
         import matplotlib
 
@@ -281,11 +285,22 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
     ok = [r for r in results if "error" not in r]
     names = [r["name"].replace("data=", "d").replace(",expert=", " e").replace(",tensor=", " t") for r in ok]
     x = range(len(ok))
+    try:
+        devices = f"{math.prod(parse_mesh(ok[0]['name']).values())} devices"
+    except (UserError, IndexError):  # no shape compiled, or a name this parser does not read
+        devices = "the devices"
+    what = "dry run: per-device memory and bytes on the wire per step" if dry_run else "measured throughput"
     if dry_run:
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, len(ok) * 0.9), 7), sharex=True)
-        ax1.bar(x, [r["memory"]["total"] / GB for r in ok], color="tab:blue")
-        ax1.axhline(hbm_gb, color="tab:red", linestyle="--", label=f"HBM {hbm_gb:g} GB")
-        ax1.set_ylabel("memory per device (GB)")
+        memory = [r["memory"]["total"] for r in ok]
+        scale, unit = (GB, "GB") if max(memory, default=0) >= GB else (1e6, "MB")
+        ax1.bar(x, [m / scale for m in memory], color="tab:blue")
+        largest = max(memory, default=0) / GB
+        if largest * 3 >= hbm_gb:
+            ax1.axhline(hbm_gb * GB / scale, color="tab:red", linestyle="--", label=f"HBM {hbm_gb:g} GB")
+        else:  # a line far above the bars would flatten them
+            ax1.plot([], [], color="tab:red", linestyle="--", label=f"HBM {hbm_gb:g} GB (off scale)")
+        ax1.set_ylabel(f"memory per device ({unit})")
         ax1.legend()
         bottom = [0.0] * len(ok)
         for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
@@ -294,21 +309,20 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
                 ax2.bar(x, values, bottom=bottom, label=kind)
                 bottom = [b + v for b, v in zip(bottom, values)]
         ax2.set_ylabel("bytes on the wire per device per step (GB)")
-        ax2.legend(fontsize="small")
+        if any(bottom):
+            ax2.legend(fontsize="small")
     else:
         fig, ax2 = plt.subplots(figsize=(max(6, len(ok) * 0.9), 4))
         ax2.bar(x, [r["tokens_per_s"] for r in ok])
         ax2.set_ylabel("tokens/s")
     ax2.set_xticks(list(x), names, rotation=30, ha="right")
+    fig.suptitle(f"mesh shapes for {devices} ({len(ok)} shapes), {what}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    print(f"maxmoe: wrote {path}")
     return None
-
-
-# ---------------------------------------------------------------------------------------
-# Entry point
 
 
 def run_shape(

@@ -14,18 +14,31 @@ from __future__ import annotations
 
 from maxmoe.cli import config_from_args, exit_with, main_guard, make_parser
 from maxmoe.config import UserError
-from maxmoe.training.trainer import train
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("python -m maxmoe.train", __doc__.splitlines()[0])
     args = parser.parse_args(argv)
-    return train(config_from_args(args))
+    config = config_from_args(args)
+    if config.run.progress != "none":
+        # Said before jax is imported (seconds): the run has started, and where its files go.
+        print(f"maxmoe: run.dir {config.run.dir}: starting jax ...", flush=True)
+    from maxmoe.training.trainer import train
+
+    return train(config)
+
+
+def __getattr__(name):
+    if name == "train":  # `from maxmoe.train import train`, without importing jax at startup
+        from maxmoe.training.trainer import train
+
+        return train
+    raise AttributeError(f"module 'maxmoe.train' has no attribute {name!r}")
 
 
 if __name__ == "__main__":
     exit_with(main())
 
 
-__all__ = ["main", "train", "UserError"]
+__all__ = ["main", "UserError"]

@@ -11,6 +11,7 @@ used; `JAX_COMPILATION_CACHE_DIR` set by the caller wins.
 """
 
 import os
+import signal
 import socket
 import tempfile
 from pathlib import Path
@@ -103,3 +104,15 @@ def fp8_kernel_contracts(monkeypatch) -> list:
     monkeypatch.setattr(fp8_matmul, "fp8_grouped_wgrad", fp8_grouped_wgrad)
     monkeypatch.setattr(fp8_matmul, "triton_lowers_here", lambda: "")
     return calls
+
+
+def pytest_sessionfinish(session):
+    """In a pytest-xdist worker, ignore SIGINT from here on: when the worker's wrap-up (freeing
+    compiled programs, collecting garbage) outlasts execnet's 5 s, execnet sends its own process a
+    SIGINT, and the KeyboardInterrupt lands in jax's gc callback as a warning that looks like a
+    crash at the end of a passing run. The worker finishes its wrap-up either way."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: no Python handlers to set
+            pass

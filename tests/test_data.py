@@ -241,9 +241,12 @@ def test_prepare_with_a_tokenizer_json(tmp_path):
 def test_bad_data_raises_one_line_user_errors(tmp_path):
     out = tmp_path / "tokens"
     data_main(["prepare", "--input", write_corpus(tmp_path / "in", ["abc " * 50, "def " * 50]), "--out", str(out)])
+    # A folder of text is tokenised (maxmoe.data.text_cache); one with neither meta.json nor text is refused.
+    (tmp_path / "neither").mkdir()
+    (tmp_path / "neither" / "weights.bin").write_bytes(b"\0" * 8)
     cases = {
         "missing folder": config(source="shards", path=tmp_path / "nowhere"),
-        "not a token folder": config(source="shards", path=tmp_path / "in"),
+        "not a token folder": config(source="shards", path=tmp_path / "neither"),
         "windows too long": config(
             "train.seq_len=5000", "model.max_position_embeddings=8192", source="shards", path=out
         ),

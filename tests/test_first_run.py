@@ -49,7 +49,7 @@ def test_synthetic_run_needs_no_grain_and_says_when_it_compiles_and_finishes(tmp
     assert first.returncode == 0, first.stderr[-3000:]
     lines = first.stdout.splitlines()
     compiling = lines.index("maxmoe: compiling the train step ...")
-    compiled = next(i for i, x in enumerate(lines) if x.startswith("maxmoe: compiled in "))
+    compiled = next(i for i, x in enumerate(lines) if x.startswith("maxmoe: compiled the train step in "))
     first_step = next(i for i, x in enumerate(lines) if x.startswith("step      1/2"))
     assert compiling < compiled < first_step
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

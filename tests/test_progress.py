@@ -56,16 +56,16 @@ def test_off_writes_nothing():
 
 def test_metrics_console_lines_are_the_readme_example(tmp_path):
     expected = [
-        "step     10/300  loss 6.4594  2,037 tok/s  MFU n/a  ETA 4m51s",
-        "step    100  eval_loss 2.1836",
-        "step    300/300  loss 2.8237  296 tok/s  MFU n/a  ETA 0m00s",
+        "step     10/300  loss 6.4594  4,136 tok/s  MFU n/a  ETA 2m23s",
+        "step    100  eval_loss 2.1975",
+        "step    300/300  loss 2.8209  3,849 tok/s  MFU n/a  ETA 0m00s",
     ]
     assert all(line in README.splitlines() for line in expected)
     out = io.StringIO()  # not a terminal: progress=auto prints plain lines
     logger = MetricsLogger(tmp_path, enabled=True, total_steps=300, stream=out)
-    logger.log({"step": 10, "loss": 6.45941, "tokens_per_s": 2037.2, "mfu": None, "step_time_s": 1.005})
-    logger.log({"step": 100, "eval_loss": 2.18364})
-    logger.log({"step": 300, "loss": 2.82371, "tokens_per_s": 296.0, "mfu": None, "step_time_s": 6.9})
+    logger.log({"step": 10, "loss": 6.45941, "tokens_per_s": 4136.2, "mfu": None, "step_time_s": 0.4951})
+    logger.log({"step": 100, "eval_loss": 2.19752})
+    logger.log({"step": 300, "loss": 2.82093, "tokens_per_s": 3849.0, "mfu": None, "step_time_s": 0.532})
     logger.close()
     assert out.getvalue().splitlines() == expected
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

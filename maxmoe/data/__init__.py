@@ -11,11 +11,13 @@ Sources (`data.source`):
 - synthetic: uniform random tokens in [0, model.vocab_size), for benchmarks.
 - stdlib: the running Python's standard library, byte-level (see `stdlib_files`), cached
   once under data.cache_dir (default ~/.cache/maxmoe) as a token folder.
-- shards: a token folder made by `python -m maxmoe.data prepare` (data.path).
+- shards: a token folder made by `python -m maxmoe.data prepare` (data.path), or text files
+  (a file, a glob, a folder) tokenised once into a cached token folder (`text_cache`).
+- auto (the default): shards when data.path or data.mixture is given, else stdlib.
 
 Modules: `byte_tokenizer` (byte-level vocabulary), `token_folder` (the on-disk format and
 the eval split), `stdlib` (the built-in corpus), `documents` (text, JSON lines, Parquet
-inputs), `prepare` (parallel tokenisation), `mixture` (folders drawn in proportion),
+inputs), `prepare` (parallel tokenisation), `text_cache` (data.path text), `mixture` (folders drawn in proportion),
 `batches` (the grain pipeline), `__main__` (the `python -m maxmoe.data prepare|stats` command).
 """
 
@@ -23,6 +25,7 @@ from maxmoe.data.batches import BatchIterator, data_folders, make_dataset, resol
 from maxmoe.data.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokens, decode_bytes
 from maxmoe.data.mixture import mixture_sources
 from maxmoe.data.stdlib import STDLIB_SKIP_DIRS, stdlib_corpus, stdlib_files
+from maxmoe.data.text_cache import token_folder_for
 from maxmoe.data.token_folder import (
     EVAL_SPLIT_RULE,
     FORMAT,
@@ -58,6 +61,7 @@ __all__ = [
     "stdlib_corpus",
     "stdlib_files",
     "token_dtype",
+    "token_folder_for",
     "vocab_size_of",
     "write_token_folder",
 ]

@@ -3,7 +3,7 @@
     python -m maxmoe.data prepare --input 'corpus/**/*.txt' --tokenizer byte --out data/corpus
     python -m maxmoe.data prepare --input 'web/*.jsonl.gz' --input 'books/*.parquet' \\
         --tokenizer tok/tokenizer.json --text-key text --workers 8 --out data/web
-    python -m maxmoe.data stats --path data/corpus     # or no --path: the built-in stdlib corpus
+    python -m maxmoe.data stats data/corpus     # or no folder: the built-in stdlib corpus
 
 `prepare` reads every file matched by the --input globs, sorted by path: `.jsonl` and
 `.jsonl.gz` hold one document per line (the string under --text-key), `.parquet` one per
@@ -13,8 +13,9 @@ Hugging Face tokenizer.json, which needs the `tokenizers` package), holds out
 --eval-fraction of the tokens for eval (whole documents chosen by a hash of their names,
 one cut to meet the share) and writes `train.bin`, `eval.bin` and `meta.json` (format and
 tokenizer vocabulary size; maxmoe.data.token_folder). The output does not depend on the
-number of workers. Train with `data.source=shards data.path=OUT` (and
-`model.vocab_size=auto` to take the tokenizer's vocabulary).
+number of workers. Train with `data.path=OUT` (and `model.vocab_size=auto` to take the
+tokenizer's vocabulary). `data.path` may also name the text itself: training then tokenises
+it once into a cached folder (maxmoe.data.text_cache).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     make.add_argument("--eos-token", default="", help="end-of-document token of a tokenizer.json")
     show = commands.add_parser("stats", help="describe a token folder")
-    show.add_argument("--path", default="", metavar="DIR", help="token folder; default: the stdlib corpus")
+    show.add_argument("folder", nargs="?", default="", metavar="DIR", help="token folder; default: the stdlib corpus")
+    show.add_argument("--path", default="", metavar="DIR", help="the same as DIR")
     show.add_argument("--cache-dir", default="", metavar="DIR", help="stdlib cache parent (data.cache_dir)")
     args = parser.parse_args(argv)
     if args.command is None:
@@ -109,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             prepare(args)
         else:
-            folder = Path(args.path) if args.path else stdlib_corpus(args.cache_dir, 0.05)
+            if args.folder and args.path and args.folder != args.path:
+                raise UserError(f"stats: two folders given ({args.folder} and --path {args.path}); give one")
+            named = args.folder or args.path
+            folder = Path(named) if named else stdlib_corpus(args.cache_dir, 0.05)
             _print_stats(folder, read_meta(folder))
     except OSError as e:
         raise UserError(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None

@@ -13,6 +13,7 @@ synthetic data (benchmarks, bare GPU images) runs without it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from maxmoe.config import Config, ConfigError, UserError, validate
 from maxmoe.data.byte_tokenizer import BYTE_VOCAB_SIZE
 from maxmoe.data.mixture import mixture_sources
 from maxmoe.data.stdlib import stdlib_corpus
+from maxmoe.data.text_cache import token_folder_for
 from maxmoe.data.token_folder import load_tokens, read_meta
 
 _EVAL_STREAM = 1  # key that separates eval randomness from train randomness
@@ -32,20 +34,28 @@ def data_folders(config: Config) -> list[tuple[Path, float]]:
     `data.path` is one folder (weight 1); `data.mixture` maps folders to weights.
     """
     d = config.data
-    if d.source == "stdlib":
+    if d.kind == "stdlib":
         return [(stdlib_corpus(d.cache_dir, d.eval_fraction), 1.0)]
-    if d.source == "shards":
+    if d.kind == "shards":
+        # Text rather than a token folder is tokenised once into the cache (maxmoe.data.text_cache).
+        folder = functools.partial(
+            token_folder_for,
+            tokenizer=d.tokenizer,
+            text_key=d.text_key,
+            eval_fraction=d.eval_fraction,
+            cache_dir=d.cache_dir,
+        )
         if d.mixture:
-            return [(Path(str(path)).expanduser(), float(weight)) for path, weight in d.mixture.items()]
-        return [(Path(d.path).expanduser(), 1.0)]
+            return [(folder(str(path)), float(weight)) for path, weight in d.mixture.items()]
+        return [(folder(d.path), 1.0)]
     raise UserError(f"data.source={d.source} has no token folder")
 
 
 def vocab_size_of(config: Config) -> int:
     """The vocabulary size the data needs; model.vocab_size must be at least this."""
-    if config.data.source == "synthetic":
+    if config.data.kind == "synthetic":
         return config.model.vocab_size
-    if config.data.source == "stdlib":
+    if config.data.kind == "stdlib":
         return BYTE_VOCAB_SIZE
     sizes = {str(folder): read_meta(folder)["vocab_size"] for folder, _ in data_folders(config)}
     if len(set(sizes.values())) > 1:
@@ -154,7 +164,7 @@ def make_dataset(
     num_batches = t.eval_batches if split == "eval" else None
     common = dict(split=split, local_batch_size=local, seq_len=t.seq_len, num_batches=num_batches)
 
-    if config.data.source == "synthetic":
+    if config.data.kind == "synthetic":
         batches = _synthetic_batches(
             config, seed=seed, stream=stream, local=local, process_index=process_index, process_count=process_count
         )
@@ -201,7 +211,7 @@ def make_dataset(
     count = num_batches * t.batch_size if num_batches is not None else 2**62
     local_batches = grain.MapDataset.range(count).batch(local)[process_index::process_count].map(rows)
     name = "mixture of " + "; ".join(described) if len(folders) > 1 else described[0]
-    return BatchIterator(local_batches, description=f"{config.data.source} {split}: {name}", **common)
+    return BatchIterator(local_batches, description=f"{config.data.kind} {split}: {name}", **common)
 
 
 def resolve_vocab_size(config: Config) -> Config:
@@ -211,7 +221,7 @@ def resolve_vocab_size(config: Config) -> Config:
     """
     if config.model.vocab_size != "auto":
         return config
-    if config.data.source == "synthetic":
+    if config.data.kind == "synthetic":
         raise ConfigError(
             "model.vocab_size=auto takes the vocabulary from the data; data.source=synthetic needs a number"
         )

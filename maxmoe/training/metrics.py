@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from maxmoe.config import UserError
-from maxmoe.training.progress import ProgressDisplay
+from maxmoe.training.progress import ProgressDisplay, format_duration
 
 
 def _clean(value: Any) -> Any:
@@ -49,13 +49,6 @@ def truncate_after(path: Path, step: int) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 class MetricsLogger:
@@ -130,11 +123,11 @@ class MetricsLogger:
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "nan"
         text = (
             f"step {step:>6}/{self.total_steps}  loss {loss}  {r.get('tokens_per_s', 0):,.0f} tok/s  "
-            f"MFU {mfu}  ETA {_duration(eta)}"
+            f"MFU {mfu}  ETA {format_duration(eta)}"
         )
         if r.get("skipped_steps"):  # updates left out because the loss or gradient norm was not finite
             text += f"  skipped {r['skipped_steps']} non-finite"
-        self.display.update(step, text)
+        self.display.log(step, text)
 
     def close(self) -> None:
         self.display.close()

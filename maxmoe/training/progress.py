@@ -18,6 +18,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 MODES = ("auto", "bar", "plain", "off")
 
 
+def format_duration(seconds: float) -> str:
+    """0m12s, 4m05s or 2h07m: a duration for the console (whole seconds, rounded down)."""
+    seconds = int(max(seconds, 0))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
 class ProgressDisplay:
     """Progress towards `total` with a line of text, shown as `mode` says.
 
@@ -69,6 +77,12 @@ class ProgressDisplay:
             return
         prefix = f"{time.perf_counter() - self.start:6.0f}s  " if self.elapsed else ""
         self._write(prefix + text)
+
+    def log(self, completed: int, text: str) -> None:
+        """A line that stays and moves the progress to `completed` (on a terminal: the line above, the bar below)."""
+        if self._bar is not None:
+            self.print(text)
+        self.update(completed, text)
 
     def print(self, text: str) -> None:
         """A line that stays (above the live bar on a terminal)."""

@@ -19,6 +19,7 @@ a step whose loss or gradient norm is not finite leaves the state as it was, and
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from maxmoe.training.metrics import MetricsLogger
 from maxmoe.training.optim import learning_rate_schedule
 from maxmoe.training.preemption import StopSignal
 from maxmoe.training.programs import build_programs
+from maxmoe.training.progress import format_duration
 from maxmoe.training.run_dir import claim_run_dir
 
 
@@ -70,6 +72,9 @@ class Trainer:
         self.expert_loads: list[tuple[int, np.ndarray]] = []
         self.stop_reason: str | None = None
         self.logger = None
+        self._started = time.perf_counter()
+        self._seconds = {"training": 0.0, "compiling": 0.0, "eval": 0.0, "checkpoints": 0.0}
+        self._eval_step = None  # compiled at the first evaluate()
         # Before any jax computation starts a backend: host devices, XLA flags, jax.distributed.
         flags = runtime.setup(config)
         self.config = config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
@@ -93,16 +98,24 @@ class Trainer:
         self.train_data = self._dataset("train")
         self.programs = build_programs(config, self.layout)
         restored = self.checkpointer.restore_latest(self.programs.abstract_state)
+        if restored is None or restored.step < t.steps:
+            self._say_setup(0 if restored is None else restored.step)
         if restored is not None:
             self.state, self.step = restored.state, restored.step
             self.train_data.set_state(restored.data)
+            if self.step < t.steps:
+                self._say(f"maxmoe: resumed from {self.checkpointer.directory}, step {self.step}")
         else:
-            self.state = self.programs.init(jax.random.key(t.seed))
+            key = jax.random.key(t.seed)
+            self.state = self._compiled("the parameter initialisation", self.programs.init, key)(key)
             if config.checkpoint.init_from:
                 loaded = checkpoint.load_params(
                     config.checkpoint.init_from, self.programs.abstract_state, config=config
                 )
                 self.state = self.state.replace(**loaded)
+                self._say(f"maxmoe: initialised from {config.checkpoint.init_from}, step {self._init_from_step()}")
+            else:
+                self._say(f"maxmoe: initialised at random (train.seed={t.seed})")
             self.step = 0
         self.start_step = self.step
         self._train_step = None  # compiled at the first run(), before its loop
@@ -131,13 +144,39 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(config.to_yaml())
             xla_flags.write_effective(self.run_dir, flags)
-            shape = " x ".join(f"{k}={v}" for k, v in self.layout.shape.items())
-            self.logger.message(
-                f"maxmoe: {len(self.devices)} {self.devices[0].platform} device(s), mesh {shape}, "
-                f"{self.train_data.description}, steps {self.step}->{t.steps}"
-            )
-            for part, choice in (("grouped matmul", self.layout.grouped_matmul), ("attention", self.layout.attention)):
-                self.logger.message(f"maxmoe: {part}: {choice.name} ({choice.reason})")
+
+    # -- console -----------------------------------------------------------------------------
+
+    def _say(self, text: str) -> None:
+        """A console line from the main process (above the live bar once the logger exists)."""
+        if self.logger is not None:
+            self.logger.message(text)
+        elif self.is_main and self.config.run.progress != "none":
+            print(text, flush=True)
+
+    def _say_setup(self, step: int) -> None:
+        shape = " x ".join(f"{k}={v}" for k, v in self.layout.shape.items())
+        self._say(
+            f"maxmoe: {len(self.devices)} {self.devices[0].platform} device(s), mesh {shape}, "
+            f"{self.train_data.description}, steps {step}->{self.config.train.steps}"
+        )
+        for part, choice in (("grouped matmul", self.layout.grouped_matmul), ("attention", self.layout.attention)):
+            self._say(f"maxmoe: {part}: {choice.name} ({choice.reason})")
+
+    def _compiled(self, what: str, fn, *args):
+        """`fn` compiled for `args`, announced and timed: compilation is the longest silent wait."""
+        self._say(f"maxmoe: compiling {what} ...")
+        start = time.perf_counter()
+        compiled = fn.lower(*args).compile()
+        seconds = time.perf_counter() - start
+        self._seconds["compiling"] += seconds
+        self._say(f"maxmoe: compiled {what} in {seconds:.1f}s")
+        return compiled
+
+    def _init_from_step(self) -> int:
+        path = self.config.checkpoint.init_from
+        with checkpoint.latest_step_of(path, f"checkpoint.init_from={path}") as (_, step, _):
+            return step
 
     # -- data --------------------------------------------------------------------------------
 
@@ -156,13 +195,18 @@ class Trainer:
         """Whether the run has reached train.steps."""
         return self.step >= self.config.train.steps
 
-    def _compile(self) -> None:
-        """Compile the train step for the first batch ahead of the loop: no step's time (or tokens/s, or ETA) includes it."""
+    def _compile(self, end: int) -> None:
+        """Compile the train step (and the eval step, if steps up to `end` evaluate) ahead of the loop:
+        no step's time, tokens/s or ETA includes compilation."""
         self._first_batch = self._to_device(next(self.train_data))
-        self.logger.message("maxmoe: compiling the train step ...")
-        start = time.perf_counter()
-        self._train_step = self.programs.train_step.lower(self.state, self._first_batch).compile()
-        self.logger.message(f"maxmoe: compiled in {time.perf_counter() - start:.1f}s")
+        self._train_step = self._compiled("the train step", self.programs.train_step, self.state, self._first_batch)
+        every, steps = self.config.train.eval_every, self.config.train.steps
+        evaluates = end == steps or end // every > self.step // every
+        if self._eval_step is None and evaluates:
+            params, router = self.state.params, self.state.router
+            self._eval_step = self._compiled(
+                "the eval step", self.programs.eval_step, params, router, self._first_batch
+            )
 
     def _next_batch(self) -> jax.Array:
         batch, self._first_batch = self._first_batch, None
@@ -182,8 +226,8 @@ class Trainer:
         profile = self.config.run.profile_steps
         with self.stop.installed():
             if self._train_step is None and self.step < end:
-                self._compile()
-            last_time, last_step = time.perf_counter(), self.step
+                self._compile(end)
+            last_time, last_step, paused = time.perf_counter(), self.step, 0.0
             while self.step < end:
                 if profile and self.step == profile[0]:
                     jax.profiler.start_trace(str(run_dir / "profile"))
@@ -193,13 +237,15 @@ class Trainer:
                 if profile and step == profile[1] + 1:
                     jax.profiler.stop_trace()
                 if step % t.log_every == 0 or step == t.steps:
-                    now = time.perf_counter()
-                    step_time = (now - last_time) / (step - last_step)
-                    last_time, last_step = now, step
+                    jax.block_until_ready(metrics)  # the step's time to completion, not to dispatch
+                    seconds = self._count("training", last_time + paused)
+                    step_time = seconds / (step - last_step)
+                    last_time, last_step, paused = last_time + paused + seconds, step, 0.0
                     self._log_step(step, {k: host_value(v) for k, v in metrics.items()}, step_time)
                 if step % t.eval_every == 0 or step == t.steps:
+                    start = time.perf_counter()
                     self._log({"step": step, "eval_loss": self.evaluate()})
-                    last_time = time.perf_counter()  # evaluation is not training time
+                    paused += self._count("eval", start)
                 # Read the previous step's counter so one step stays in flight. Skipped steps left the
                 # parameters as the last finite step made them, so the state saved here is a good one.
                 if self._pending_bad is not None and int(host_value(self._pending_bad)) >= t.max_bad_steps:
@@ -207,7 +253,13 @@ class Trainer:
                     break
                 self._pending_bad = metrics["bad_steps"]
                 stopping = self.stop.should_stop(step)
-                self.checkpointer.save(step, self.state, self.train_data.get_state(), force=step == t.steps or stopping)
+                force = step == t.steps or stopping
+                if force or (self.config.checkpoint.every and step % self.config.checkpoint.every == 0):
+                    # Saving waits for the step in flight: finish it first so that the wait counts as training.
+                    jax.block_until_ready(self.state)
+                start = time.perf_counter()
+                self.checkpointer.save(step, self.state, self.train_data.get_state(), force=force)
+                paused += self._count("checkpoints", start)
                 if stopping:
                     self.checkpointer.wait()
                     self.stop_reason = self.stop.clear()
@@ -222,6 +274,12 @@ class Trainer:
                     f"loss or gradient norm and were skipped (skipped_steps in {self.logger.path})"
                 )
         return [r for r in self.history[first_record:] if "loss" in r]
+
+    def _count(self, part: str, start: float) -> float:
+        """Seconds since `start`, counted under `part`: time kept out of tokens/s and ETA."""
+        seconds = time.perf_counter() - start
+        self._seconds[part] += seconds
+        return seconds
 
     def _log_step(self, step: int, host: dict, step_time: float) -> None:
         t = self.config.train
@@ -266,7 +324,10 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean next-token loss (nats, no MTP) over the train.eval_batches held-out batches."""
         params, router = self.state.params, self.state.router
-        losses = [self.programs.eval_step(params, router, self._to_device(b)) for b in self._dataset("eval")]
+        batches = [self._to_device(b) for b in self._dataset("eval")]
+        if self._eval_step is None:
+            self._eval_step = self._compiled("the eval step", self.programs.eval_step, params, router, batches[0])
+        losses = [self._eval_step(params, router, b) for b in batches]
         return float(np.mean([host_value(x) for x in losses]))
 
     @property
@@ -299,6 +360,53 @@ class Trainer:
         self.close()
 
 
+def _python() -> str:
+    """How to name this interpreter in a suggested command: relative when it lives under the current folder."""
+    relative = os.path.relpath(sys.executable)
+    return relative if not relative.startswith("..") and os.sep in relative else "python"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
+
+
+def summary(trainer: Trainer) -> list[str]:
+    """The closing lines of a run: what it did, how long each part took, where its files are, what next."""
+    t, run_dir, took = trainer.config.train, trainer.run_dir, trainer._seconds
+    steps = trainer.step - trainer.start_step
+    wall = time.perf_counter() - trainer._started
+    how = f"stopped ({trainer.stop_reason})" if trainer.stop_reason else "done"
+    parts = ", ".join(f"{_seconds(seconds)} {part}" for part, seconds in took.items() if seconds >= 0.05)
+    lines = [
+        f"maxmoe: {how}: steps {trainer.start_step}->{trainer.step} of {t.steps}, {steps * t.batch_size * t.seq_len:,} "
+        f"tokens in {_seconds(wall)}" + (f" ({parts})" if parts else "")
+    ]
+    last = {key: r[key] for r in trainer.history for key in ("loss", "eval_loss") if r.get(key) is not None}
+    if last:
+        lines.append("maxmoe: final " + ", ".join(f"{key} {value:.4f}" for key, value in last.items()))
+    tensorboard = (
+        f"TensorBoard events in {run_dir / 'tensorboard'}"
+        if trainer.config.run.tensorboard
+        else "TensorBoard: add run.tensorboard=true"
+    )
+    saved = trainer.checkpointer.latest_step()
+    lines.append(
+        f"maxmoe: {run_dir}/: checkpoints/ (step {saved}), metrics.jsonl, config.yaml; {tensorboard}"
+        if saved is not None
+        else f"maxmoe: {run_dir}/: metrics.jsonl, config.yaml; {tensorboard}"
+    )
+    python = _python()
+    if trainer.stop_reason and trainer.stop_reason != BAD_STEPS:
+        lines.append("maxmoe: next: the same command again resumes from the last checkpoint")
+    prompt = "def main(" if trainer.config.data.kind == "stdlib" else "The"
+    lines.append(
+        f'maxmoe: next: {python} -m maxmoe.generate --run {run_dir} --prompt "{prompt}" '
+        f"--max-new-tokens 120 --temperature 0.6 --top-k 5"
+    )
+    lines.append(f"maxmoe:       {python} -m maxmoe.report {run_dir}    # writes {run_dir / 'report.png'}")
+    return lines
+
+
 def train(config: Config, devices: Sequence[Any] | None = None) -> int:
     """Run the job described by `config` to train.steps; returns the process exit status.
 
@@ -309,4 +417,7 @@ def train(config: Config, devices: Sequence[Any] | None = None) -> int:
         if trainer.finished:
             return 0  # the Trainer said so
         trainer.run()
+        if trainer.is_main and config.run.progress != "none":
+            trainer.logger.display.close()  # the summary goes below the bar's last state
+            print("\n".join(summary(trainer)), flush=True)
         return 1 if trainer.stop_reason == BAD_STEPS else 0
