@@ -37,6 +37,7 @@ from maxmoe.model.transformer import abstract_variables
 from maxmoe.training import stage_state
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
+from maxmoe.training.preemption import hold
 from maxmoe.training.run_dir import LOCK_NAME
 
 STEP_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress step folders
@@ -132,6 +133,58 @@ def _model_differences(saved_config: Any, config: Config) -> str:
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''})" if diffs else ""
 
 
+# Keys a resumed run may change freely: cadence, output, implementation choices that compute the
+# same numbers, the mesh (arrays are restored onto any mesh). Every other key of these sections
+# changes the model, its numerics, the optimizer or the data order; mesh, checkpoint, run, xla and
+# dist keys are all free (checkpoint.init_from is checked on its own).
+RESUME_FREE = {
+    "model": {"attention", "attention_chunk", "remat"},
+    "moe": {"grouped_matmul", "overlap", "a2a_chunks", "emulate_ragged_a2a"},
+    "train": {
+        "steps",
+        "log_every",
+        "eval_every",
+        "eval_batches",
+        "max_bad_steps",
+        "loss_chunk",
+        "grad_accum",
+        "pipeline_residuals",
+    },
+    "data": {"cache_dir"},
+}
+
+
+def resume_changes(saved: Any, config: Config) -> list[str]:
+    """'section.key: A there, B here' for each key whose change a resume refuses (see RESUME_FREE).
+
+    `saved` is the config dict stored with the checkpoint; keys it lacks (an older maxmoe) are
+    not compared.
+    """
+    if not isinstance(saved, dict):
+        return []
+    here, changes = config.to_dict(), []
+    for section, free in RESUME_FREE.items():
+        there = saved.get(section)
+        if not isinstance(there, dict):
+            continue
+        for key in sorted(set(here[section]) & set(there)):
+            if key not in free and there[key] != here[section][key]:
+                changes.append(f"{section}.{key}: {there[key]!r} there, {here[section][key]!r} here")
+    return changes
+
+
+def _optimizer_hint(saved_config: Any, config: Config) -> str:
+    """' (the optimizer changed: train.clip_norm: 1.0 there, 0.0 here)' from the configs."""
+    there = saved_config.get("train") if isinstance(saved_config, dict) else None
+    here = config.to_dict()["train"]
+    diffs = [
+        f"train.{k}: {there.get(k)!r} there, {here[k]!r} here"
+        for k in sorted(here)
+        if isinstance(there, dict) and k in there and there[k] != here[k] and k not in RESUME_FREE["train"]
+    ]
+    return f" (the optimizer changed{': ' + '; '.join(diffs) if diffs else ''})"
+
+
 def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "", *, exact: bool = False) -> None:
     """UserError unless every array of `target_tree` is in `stored_tree` with the same shape.
 
@@ -187,6 +240,7 @@ class Checkpointer:
         self.directory = (Path(run_dir) / "checkpoints").absolute()
         self._manager = None
         self._chunking = None  # save arguments per array, made at the first save
+        self.changes: list[str] = []  # config changes a resume accepted (checkpoint.allow_config_change)
 
     def _open(self):
         if self._manager is None:
@@ -246,13 +300,14 @@ class Checkpointer:
             stored_state = metadata.get("state") if metadata is not None else None
             if stored_state is None or not (self.directory / str(step) / "data").is_dir():
                 raise UserError(f"{where} is not a maxmoe training checkpoint (no state or data item){advice}")
-            check_fits(
-                getattr(stored_state, "tree", stored_state),
-                abstract_state,
-                where,
-                _model_differences(saved_config, self.config),
-                exact=True,
-            )
+            self._check_resume(saved_config, step)
+            stored_tree = getattr(stored_state, "tree", stored_state)
+            model_hint = _model_differences(saved_config, self.config)
+            if not model_hint:  # the parameters fit: a mismatch is in the optimizer's state
+                stored_params = {"params": stored_tree.get("params")} if isinstance(stored_tree, dict) else {}
+                check_fits(stored_params, {"params": abstract_state.params}, where, exact=True)
+                model_hint = _optimizer_hint(saved_config, self.config)
+            check_fits(stored_tree, abstract_state, where, model_hint, exact=True)
             try:
                 restored = manager.restore(
                     step,
@@ -264,6 +319,30 @@ class Checkpointer:
                 raise UserError(f"{where} cannot be read ({_first_line(e)}){advice}") from None
         state = stage_state.to_stage_order(self.config, restored["state"], stage_abstract)
         return Restored(step=step, state=state, data=restored["data"])
+
+    def _check_resume(self, saved_config: Any, step: int) -> None:
+        """UserError when the run in run.dir is not the one this config continues (see `resume_changes`).
+
+        checkpoint.init_from set here must be the one the stored run started from: otherwise
+        run.dir holds another run, and resuming it would ignore init_from.
+        """
+        c, run_dir = self.config.checkpoint, self.directory.parent
+        saved_checkpoint = saved_config.get("checkpoint") if isinstance(saved_config, dict) else None
+        started_from = saved_checkpoint.get("init_from", "") if isinstance(saved_checkpoint, dict) else ""
+        if c.init_from and started_from != c.init_from:
+            origin = f"checkpoint.init_from={started_from}" if started_from else "scratch"
+            raise UserError(
+                f"checkpoint.init_from={c.init_from}: run.dir {run_dir} already holds another run (step {step}, "
+                f"started from {origin}); choose a new run.dir, or drop checkpoint.init_from to resume that run"
+            )
+        changes = resume_changes(saved_config, self.config)
+        if changes and not c.allow_config_change:
+            shown = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
+            raise UserError(
+                f"run.dir {run_dir} holds a run (step {step}) with another config ({shown}); resuming would "
+                f"continue it as a different run: use a new run.dir, or set checkpoint.allow_config_change=true"
+            )
+        self.changes = changes
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Start an asynchronous save when the interval says so or `force`; returns whether it did.
@@ -301,7 +380,9 @@ class Checkpointer:
             self._manager.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for the saves in flight, then let go of the folder."""
         if self._manager is not None:
+            hold("checkpoint-close")
             self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None

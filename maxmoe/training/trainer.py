@@ -9,8 +9,11 @@
 
 `Trainer(config, devices=jax.devices()[:1])` lays the mesh over those devices only, so one
 process can train on one device, then on all of them (or the reverse). While `run` runs,
-SIGTERM and SIGINT mean "finish this step, save it, stop"; the handlers that were there
-before come back when it returns (a notebook's interrupt keeps working).
+SIGTERM and SIGINT mean "finish this step, save it, stop" (during compilation: stop before
+the first step; a second SIGINT interrupts at once); the handlers that were there before come
+back when it returns (a notebook's interrupt keeps working). `close` finishes pending saves
+with the same handlers in place, so a signal then cannot cut a checkpoint short. A closed
+Trainer refuses every method that would touch run.dir.
 
 The loop: one step stays in flight (its metrics are read on the host only at log steps);
 a step whose loss or gradient norm is not finite leaves the state as it was, and
@@ -19,7 +22,9 @@ a step whose loss or gradient norm is not finite leaves the state as it was, and
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,13 +34,13 @@ import jax
 import numpy as np
 
 from maxmoe import data, runtime, xla_flags
-from maxmoe.config import Config
+from maxmoe.config import Config, UserError
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger
 from maxmoe.training.optim import learning_rate_schedule
-from maxmoe.training.preemption import StopSignal
+from maxmoe.training.preemption import StopSignal, hold
 from maxmoe.training.programs import build_programs
 from maxmoe.training.run_dir import claim_run_dir
 
@@ -70,6 +75,8 @@ class Trainer:
         self.expert_loads: list[tuple[int, np.ndarray]] = []
         self.stop_reason: str | None = None
         self.logger = None
+        self._closed = False
+        self._tracing = False
         # Before any jax computation starts a backend: host devices, XLA flags, jax.distributed.
         flags = runtime.setup(config)
         self.config = config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
@@ -77,10 +84,11 @@ class Trainer:
         self.run_dir = Path(config.run.dir)
         self.checkpointer = checkpoint.Checkpointer(config, self.run_dir)
         self.checkpointer.check_start()
-        self.stop = stop or StopSignal(jax.process_count())
+        self.stop = stop.bind(jax.process_count()) if stop else StopSignal(jax.process_count())
         # Before anything compiles: run.dir must be writable and no other job may be using it.
         self.lock = claim_run_dir(self.run_dir, jax.process_index(), jax.process_count())
         try:
+            hold("trainer-init")
             self._start(devices, flags)
         except BaseException:
             self.close()  # finish pending work before any exit, error or not
@@ -91,11 +99,13 @@ class Trainer:
         self.layout = build_layout(config, devices)
         self.devices = list(self.layout.mesh.devices.flat)
         self.train_data = self._dataset("train")
+        next(iter(self._dataset("eval")))  # the eval split is read at the end of every run: checked now
         self.programs = build_programs(config, self.layout)
         restored = self.checkpointer.restore_latest(self.programs.abstract_state)
         if restored is not None:
             self.state, self.step = restored.state, restored.step
             self.train_data.set_state(restored.data)
+            self._check_profile_steps()
         else:
             self.state = self.programs.init(jax.random.key(t.seed))
             if config.checkpoint.init_from:
@@ -138,6 +148,24 @@ class Trainer:
             )
             for part, choice in (("grouped matmul", self.layout.grouped_matmul), ("attention", self.layout.attention)):
                 self.logger.message(f"maxmoe: {part}: {choice.name} ({choice.reason})")
+            if self.checkpointer.changes:
+                self.logger.message(
+                    f"maxmoe: resuming step {self.step} with a changed config (checkpoint.allow_config_change): "
+                    + "; ".join(self.checkpointer.changes)
+                )
+
+    def _check_profile_steps(self) -> None:
+        """run.profile_steps must not start before the step a resumed run starts from."""
+        profile = self.config.run.profile_steps
+        if profile and profile[0] < self.step:
+            raise UserError(
+                f"run.profile_steps={profile}: this run resumes at step {self.step}, after the first traced step; "
+                f"trace steps from {self.step} on (e.g. run.profile_steps=[{self.step}, {self.step + 2}])"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UserError(f"this Trainer of run.dir {self.run_dir} is closed; make a new Trainer to continue")
 
     # -- data --------------------------------------------------------------------------------
 
@@ -157,12 +185,44 @@ class Trainer:
         return self.step >= self.config.train.steps
 
     def _compile(self) -> None:
-        """Compile the train step for the first batch ahead of the loop: no step's time (or tokens/s, or ETA) includes it."""
+        """Compile the train step for the first batch ahead of the loop: no step's time (or tokens/s, or ETA) includes it.
+
+        XLA compiles in a thread of its own while this one waits: a signal's handler runs (and
+        says so) at once rather than when the compilation ends.
+        """
         self._first_batch = self._to_device(next(self.train_data))
         self.logger.message("maxmoe: compiling the train step ...")
         start = time.perf_counter()
-        self._train_step = self.programs.train_step.lower(self.state, self._first_batch).compile()
+        outcome = {}
+
+        def compile_step():
+            try:
+                hold("compile")
+                outcome["step"] = self.programs.train_step.lower(self.state, self._first_batch).compile()
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                outcome["error"] = e
+
+        worker = threading.Thread(target=compile_step, name="maxmoe-compile", daemon=True)
+        worker.start()
+        worker.join()  # interruptible: signal handlers run in this thread meanwhile
+        if "error" in outcome:
+            raise outcome["error"]
+        self._train_step = outcome["step"]
         self.logger.message(f"maxmoe: compiled in {time.perf_counter() - start:.1f}s")
+
+    def _stop_before_training(self) -> bool:
+        """A signal that came before the first step of a `run`: stop with nothing trained (nothing new to save)."""
+        if not self.stop.requested:
+            return False
+        self.stop_reason = self.stop.clear()
+        message = (
+            f"maxmoe: {self.stop_reason}: stopped before training a step; run.dir {self.run_dir} is at step {self.step}"
+        )
+        if self.logger is not None:
+            self.logger.message(message)
+        elif self.is_main:
+            print(message)
+        return True
 
     def _next_batch(self) -> jax.Array:
         batch, self._first_batch = self._first_batch, None
@@ -175,23 +235,30 @@ class Trainer:
         checkpoint.every says and at train.steps. Stops early, saving the step it is on, on
         SIGTERM/SIGINT or after train.max_bad_steps non-finite steps in a row (see `stop_reason`).
         """
-        t, run_dir = self.config.train, self.run_dir
+        self._check_open()
+        t = self.config.train
         end = t.steps if steps is None else min(t.steps, self.step + max(steps, 0))
         first_record = len(self.history)
         self.stop_reason = None
-        profile = self.config.run.profile_steps
-        with self.stop.installed():
+        profile, run_dir = self.config.run.profile_steps, self.run_dir
+        with self.stop.installed(), self._trace_closed():
+            if self._stop_before_training():
+                return []
             if self._train_step is None and self.step < end:
                 self._compile()
+                if self._stop_before_training():
+                    return []
             last_time, last_step = time.perf_counter(), self.step
             while self.step < end:
                 if profile and self.step == profile[0]:
                     jax.profiler.start_trace(str(run_dir / "profile"))
+                    self._tracing = True
                 self.state, metrics = self._train_step(self.state, self._next_batch())
                 self.step += 1
                 step = self.step
-                if profile and step == profile[1] + 1:
+                if self._tracing and step == profile[1] + 1:
                     jax.profiler.stop_trace()
+                    self._tracing = False
                 if step % t.log_every == 0 or step == t.steps:
                     now = time.perf_counter()
                     step_time = (now - last_time) / (step - last_step)
@@ -222,6 +289,16 @@ class Trainer:
                     f"loss or gradient norm and were skipped (skipped_steps in {self.logger.path})"
                 )
         return [r for r in self.history[first_record:] if "loss" in r]
+
+    @contextlib.contextmanager
+    def _trace_closed(self):
+        """A run that stops inside run.profile_steps (signal, bad steps, `run(n)`) still writes its trace."""
+        try:
+            yield
+        finally:
+            if self._tracing:
+                jax.profiler.stop_trace()
+                self._tracing = False
 
     def _log_step(self, step: int, host: dict, step_time: float) -> None:
         t = self.config.train
@@ -265,6 +342,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean next-token loss (nats, no MTP) over the train.eval_batches held-out batches."""
+        self._check_open()
         params, router = self.state.params, self.state.router
         losses = [self.programs.eval_step(params, router, self._to_device(b)) for b in self._dataset("eval")]
         return float(np.mean([host_value(x) for x in losses]))
@@ -281,16 +359,22 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current step now and wait until it is on disk."""
+        self._check_open()
         self.checkpointer.save(self.step, self.state, self.train_data.get_state(), force=True)
         self.checkpointer.wait()
 
     def close(self) -> None:
-        """Finish pending saves and close the metrics files; safe to call twice."""
-        if self.logger is not None:
-            self.logger.close()
-        self.checkpointer.close()
-        if self.lock is not None:
-            self.lock.release()
+        """Finish pending saves and close the metrics files; safe to call twice.
+
+        SIGTERM/SIGINT meanwhile are noted, not fatal: the last checkpoint completes first.
+        """
+        self._closed = True
+        with self.stop.installed():
+            if self.logger is not None:
+                self.logger.close()
+            self.checkpointer.close()
+            if self.lock is not None:
+                self.lock.release()
 
     def __enter__(self) -> Trainer:
         return self
@@ -303,9 +387,12 @@ def train(config: Config, devices: Sequence[Any] | None = None) -> int:
     """Run the job described by `config` to train.steps; returns the process exit status.
 
     0 when done or stopped by SIGTERM/SIGINT (saved), 1 when train.max_bad_steps stopped it.
-    Signal handlers are installed once the run is set up (compiling included) and restored on return.
+    Signal handlers are in place from the start (set-up, compiling and the last save included)
+    and restored on return; a signal before the first step stops the job with nothing trained,
+    and a second SIGINT exits at once (status 130).
     """
-    with Trainer(config, devices) as trainer, trainer.stop.installed():
+    stop = StopSignal(exit_on_second_interrupt=True)
+    with stop.installed(), Trainer(config, devices, stop=stop) as trainer:
         if trainer.finished:
             return 0  # the Trainer said so
         trainer.run()
