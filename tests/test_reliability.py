@@ -45,7 +45,7 @@ DENSE = {
     "train.log_every": 1,
     "run.progress": "plain",
 }
-WAIT = 120  # seconds a job may take to reach a hold point on a busy machine (a failure, not a pace)
+WAIT = 300  # seconds a job may take to reach a hold point on a busy machine (a failure, not a pace)
 
 
 # --------------------------------------------------------------------------- holding a job at a point
@@ -274,11 +274,13 @@ def test_the_eval_split_is_checked_before_compiling(tmp_path, monkeypatch, damag
         meta["splits"]["eval"]["tokens"] = 10
         (folder / "meta.json").write_text(json.dumps(meta))
     config = load_config(TINY, {**DENSE, "data.source": "shards", "data.path": str(folder), "run.dir": str(tmp_path)})
-    compiled = []
-    monkeypatch.setattr("maxmoe.training.trainer.build_programs", lambda *a: compiled.append(a) or 1 / 0)
+
+    def build_programs(*args):
+        raise AssertionError("the programs are built before the eval split was checked")
+
+    monkeypatch.setattr("maxmoe.training.trainer.build_programs", build_programs)
     with pytest.raises(UserError, match="eval"):
         maxmoe.Trainer(config, jax.devices()[:1])
-    assert not compiled
 
 
 # --------------------------------------------------------------------------- metrics.jsonl (item 10)
@@ -361,7 +363,9 @@ def test_safe_changes_resume_and_allowed_changes_are_said(saved_run, capsys):
 
 
 def test_resuming_without_clipping_says_the_optimizer_changed(saved_run):
-    with pytest.raises(UserError) as error:
+    with pytest.raises(UserError, match=r"another config \(train.clip_norm: 1.0 there, 0.0 here\)"):
+        resume(saved_run, **{"train.clip_norm": 0})
+    with pytest.raises(UserError) as error:  # allowed, but the optimizer's state has other arrays
         resume(saved_run, **{"train.clip_norm": 0, "checkpoint.allow_config_change": "true"})
     message = str(error.value)
     assert "the optimizer changed: train.clip_norm: 1.0 there, 0.0 here" in message, message
@@ -392,3 +396,31 @@ def test_a_closed_trainer_touches_nothing(saved_run):
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
     finally:
         other.close()
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_last_checkpoint_stands(saved_run, capfd):
+    """A file-size limit makes every write past 4 KiB fail as a full disk would (EFBIG, not ENOSPC)."""
+    import resource
+
+    run_dir = Path(saved_run.run.dir)
+    trainer = resume(saved_run, **{"train.steps": 4})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+    try:
+        trainer.step = 3
+        capfd.readouterr()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+        with pytest.raises(UserError) as error:
+            trainer.save()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+        trainer.close()
+    message = str(error.value)
+    assert message.startswith("cannot write ") and "the last complete checkpoint, step 2, stands" in message, message
+    assert "\n" not in message
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+    with resume(saved_run, **{"train.steps": 4}) as again:  # step 2 still restores
+        assert again.step == 2

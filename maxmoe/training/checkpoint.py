@@ -38,6 +38,7 @@ from maxmoe.training import stage_state
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.preemption import hold
+from maxmoe.training.resume import check_resume, optimizer_hint
 from maxmoe.training.run_dir import LOCK_NAME
 
 STEP_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress step folders
@@ -82,6 +83,17 @@ class _MainThreadOnly:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+class _DropBackgroundErrors(logging.Filter):
+    """Drops error records that orbax's background save threads log: the failure reaches the
+    main thread through `wait_until_finished` and is reported there once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or threading.current_thread() is threading.main_thread()
+
+
+_BACKGROUND_ERRORS = _DropBackgroundErrors()
 
 
 @contextlib.contextmanager
@@ -131,58 +143,6 @@ def _model_differences(saved_config: Any, config: Config) -> str:
         if there.get(k) != here.get(k)
     ]
     return f" ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''})" if diffs else ""
-
-
-# Keys a resumed run may change freely: cadence, output, implementation choices that compute the
-# same numbers, the mesh (arrays are restored onto any mesh). Every other key of these sections
-# changes the model, its numerics, the optimizer or the data order; mesh, checkpoint, run, xla and
-# dist keys are all free (checkpoint.init_from is checked on its own).
-RESUME_FREE = {
-    "model": {"attention", "attention_chunk", "remat"},
-    "moe": {"grouped_matmul", "overlap", "a2a_chunks", "emulate_ragged_a2a"},
-    "train": {
-        "steps",
-        "log_every",
-        "eval_every",
-        "eval_batches",
-        "max_bad_steps",
-        "loss_chunk",
-        "grad_accum",
-        "pipeline_residuals",
-    },
-    "data": {"cache_dir"},
-}
-
-
-def resume_changes(saved: Any, config: Config) -> list[str]:
-    """'section.key: A there, B here' for each key whose change a resume refuses (see RESUME_FREE).
-
-    `saved` is the config dict stored with the checkpoint; keys it lacks (an older maxmoe) are
-    not compared.
-    """
-    if not isinstance(saved, dict):
-        return []
-    here, changes = config.to_dict(), []
-    for section, free in RESUME_FREE.items():
-        there = saved.get(section)
-        if not isinstance(there, dict):
-            continue
-        for key in sorted(set(here[section]) & set(there)):
-            if key not in free and there[key] != here[section][key]:
-                changes.append(f"{section}.{key}: {there[key]!r} there, {here[section][key]!r} here")
-    return changes
-
-
-def _optimizer_hint(saved_config: Any, config: Config) -> str:
-    """' (the optimizer changed: train.clip_norm: 1.0 there, 0.0 here)' from the configs."""
-    there = saved_config.get("train") if isinstance(saved_config, dict) else None
-    here = config.to_dict()["train"]
-    diffs = [
-        f"train.{k}: {there.get(k)!r} there, {here[k]!r} here"
-        for k in sorted(here)
-        if isinstance(there, dict) and k in there and there[k] != here[k] and k not in RESUME_FREE["train"]
-    ]
-    return f" (the optimizer changed{': ' + '; '.join(diffs) if diffs else ''})"
 
 
 def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "", *, exact: bool = False) -> None:
@@ -240,6 +200,7 @@ class Checkpointer:
         self.directory = (Path(run_dir) / "checkpoints").absolute()
         self._manager = None
         self._chunking = None  # save arguments per array, made at the first save
+        self._failed = False  # a write failed and was reported
         self.changes: list[str] = []  # config changes a resume accepted (checkpoint.allow_config_change)
 
     def _open(self):
@@ -254,6 +215,7 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_handlers=_handlers("state", "data", "config")
             )
+            logging.getLogger("absl").addFilter(_BACKGROUND_ERRORS)
         return self._manager
 
     def check_start(self) -> None:
@@ -300,13 +262,13 @@ class Checkpointer:
             stored_state = metadata.get("state") if metadata is not None else None
             if stored_state is None or not (self.directory / str(step) / "data").is_dir():
                 raise UserError(f"{where} is not a maxmoe training checkpoint (no state or data item){advice}")
-            self._check_resume(saved_config, step)
+            self.changes = check_resume(saved_config, self.config, self.directory.parent, step)
             stored_tree = getattr(stored_state, "tree", stored_state)
             model_hint = _model_differences(saved_config, self.config)
             if not model_hint:  # the parameters fit: a mismatch is in the optimizer's state
                 stored_params = {"params": stored_tree.get("params")} if isinstance(stored_tree, dict) else {}
                 check_fits(stored_params, {"params": abstract_state.params}, where, exact=True)
-                model_hint = _optimizer_hint(saved_config, self.config)
+                model_hint = optimizer_hint(saved_config, self.config)
             check_fits(stored_tree, abstract_state, where, model_hint, exact=True)
             try:
                 restored = manager.restore(
@@ -320,42 +282,46 @@ class Checkpointer:
         state = stage_state.to_stage_order(self.config, restored["state"], stage_abstract)
         return Restored(step=step, state=state, data=restored["data"])
 
-    def _check_resume(self, saved_config: Any, step: int) -> None:
-        """UserError when the run in run.dir is not the one this config continues (see `resume_changes`).
+    def complete_steps(self) -> list[int]:
+        """The step folders on disk that a resume would accept (from the names: no orbax call)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
 
-        checkpoint.init_from set here must be the one the stored run started from: otherwise
-        run.dir holds another run, and resuming it would ignore init_from.
+    @contextlib.contextmanager
+    def _writing(self, what: str):
+        """A failed write (disk full, a read-only or immutable folder) as one UserError line.
+
+        Every step folder that was complete before stays as it was; orbax leaves the failed one
+        as a temporary folder, which a resume never reads.
         """
-        c, run_dir = self.config.checkpoint, self.directory.parent
-        saved_checkpoint = saved_config.get("checkpoint") if isinstance(saved_config, dict) else None
-        started_from = saved_checkpoint.get("init_from", "") if isinstance(saved_checkpoint, dict) else ""
-        if c.init_from and started_from != c.init_from:
-            origin = f"checkpoint.init_from={started_from}" if started_from else "scratch"
-            raise UserError(
-                f"checkpoint.init_from={c.init_from}: run.dir {run_dir} already holds another run (step {step}, "
-                f"started from {origin}); choose a new run.dir, or drop checkpoint.init_from to resume that run"
-            )
-        changes = resume_changes(saved_config, self.config)
-        if changes and not c.allow_config_change:
-            shown = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
-            raise UserError(
-                f"run.dir {run_dir} holds a run (step {step}) with another config ({shown}); resuming would "
-                f"continue it as a different run: use a new run.dir, or set checkpoint.allow_config_change=true"
-            )
-        self.changes = changes
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failed write means the same thing to the user
+            self._failed = True
+            if not isinstance(sys.stderr, _MainThreadOnly):  # tensorstore's threads still report, later
+                sys.stderr = _MainThreadOnly(sys.stderr)
+            done = self.complete_steps()
+            kept = f"the last complete checkpoint, step {done[-1]}, stands" if done else "no complete checkpoint yet"
+            raise UserError(f"cannot write {what} in {self.directory} ({_first_line(e)}); {kept}") from None
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Start an asynchronous save when the interval says so or `force`; returns whether it did.
 
         Returns once the arrays are copied off the device (the state may then be donated);
         the files are written in the background and the step folder appears when complete.
+        A save that fails (now or in the background) is a UserError at this or the next call.
         """
         every = self.config.checkpoint.every
         if not force and not (every and step % every == 0):
             return False
-        manager = self._open()
-        if manager.latest_step() == step:
-            return False  # already saved (or being saved) at this step
+        with self._writing(f"checkpoint step {step}"):
+            manager = self._open()
+            if manager.latest_step() == step:
+                return False  # already saved (or being saved) at this step
+            return self._start_save(manager, step, state, data_state)
+
+    def _start_save(self, manager: Any, step: int, state: Any, data_state: dict) -> bool:
         return manager.save(
             step,
             args=ocp.args.Composite(
@@ -375,17 +341,27 @@ class Checkpointer:
         return self._chunking
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
+        """Block until every started save is complete on disk (UserError if one failed)."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            with self._writing("a checkpoint"):
+                self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for the saves in flight, then let go of the folder."""
+        """Wait for the saves in flight, then let go of the folder (a failure already reported is not raised again)."""
         if self._manager is not None:
             hold("checkpoint-close")
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+            manager, self._manager = self._manager, None
+            reported = self._failed
+            try:
+                with self._writing("a checkpoint"):
+                    manager.wait_until_finished()
+            except UserError:
+                if not reported:
+                    raise
+            finally:
+                with contextlib.suppress(Exception):
+                    manager.close()
+            logging.getLogger("absl").removeFilter(_BACKGROUND_ERRORS)
 
 
 @contextlib.contextmanager
