@@ -109,10 +109,10 @@ def test_sigterm_during_the_last_save_waits_for_it_and_exits_0(tmp_path):
     job = Held(tmp_path, "checkpoint-close", train_argv(run_dir, **{"train.steps": 2, "checkpoint.every": 0}))
     job.reached()  # step 2 trained, its save started, close() about to wait for it
     job.proc.send_signal(signal.SIGTERM)
-    assert job.stderr_line("SIGTERM")  # noted, not fatal
     job.release()
     code, out, err = job.finish()
-    assert code == 0, err
+    assert code == 0, err  # not -15: the signal was noted, not fatal
+    assert "SIGTERM: stopping" in err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]  # complete, no tmp folder
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 2]  # two step lines and the final evaluation
@@ -123,11 +123,10 @@ def test_sigterm_during_set_up_stops_before_a_step_with_status_0(tmp_path):
     job = Held(tmp_path, "trainer-init", train_argv(run_dir))
     job.reached()
     job.proc.send_signal(signal.SIGTERM)
-    assert job.stderr_line("SIGTERM")
     job.release()
     code, out, err = job.finish()
-    assert code == 0, err
-    assert "SIGTERM: stopped before training a step" in out
+    assert code == 0, err  # not -15
+    assert "SIGTERM: stopping" in err and "SIGTERM: stopped before training a step" in out
     assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
     assert "compiling the train step" not in out
 
@@ -398,6 +397,9 @@ def test_a_closed_trainer_touches_nothing(saved_run):
         other.close()
 
 
+# After the failed write, tensorstore's I/O threads find orbax's event loop closed (an unraisable
+# exception in those threads; a command-line run drops their stderr, maxmoe.training.checkpoint).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_last_checkpoint_stands(saved_run, capfd):
     """A file-size limit makes every write past 4 KiB fail as a full disk would (EFBIG, not ENOSPC)."""
     import resource
