@@ -38,7 +38,7 @@ from maxmoe.training import stage_state
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.preemption import hold
-from maxmoe.training.resume import check_resume, optimizer_hint
+from maxmoe.training.resume import check_init_from, check_resume, optimizer_hint
 from maxmoe.training.run_dir import LOCK_NAME
 
 STEP_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress step folders
@@ -262,7 +262,7 @@ class Checkpointer:
             stored_state = metadata.get("state") if metadata is not None else None
             if stored_state is None or not (self.directory / str(step) / "data").is_dir():
                 raise UserError(f"{where} is not a maxmoe training checkpoint (no state or data item){advice}")
-            self.changes = check_resume(saved_config, self.config, self.directory.parent, step)
+            check_init_from(saved_config, self.config, self.directory.parent, step)
             stored_tree = getattr(stored_state, "tree", stored_state)
             model_hint = _model_differences(saved_config, self.config)
             if not model_hint:  # the parameters fit: a mismatch is in the optimizer's state
@@ -270,6 +270,8 @@ class Checkpointer:
                 check_fits(stored_params, {"params": abstract_state.params}, where, exact=True)
                 model_hint = optimizer_hint(saved_config, self.config)
             check_fits(stored_tree, abstract_state, where, model_hint, exact=True)
+            # Arrays that fit can still belong to another run: another seed, router, batch or data.
+            self.changes = check_resume(saved_config, self.config, self.directory.parent, step)
             try:
                 restored = manager.restore(
                     step,
@@ -289,12 +291,16 @@ class Checkpointer:
         return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
 
     @contextlib.contextmanager
-    def _writing(self, what: str):
+    def _writing(self):
         """A failed write (disk full, a read-only or immutable folder) as one UserError line.
 
-        Every step folder that was complete before stays as it was; orbax leaves the failed one
-        as a temporary folder, which a resume never reads.
+        A save runs in the background, so its failure shows at the next save or wait, and the
+        error's path names the step. Every step folder that was complete before stays as it
+        was; orbax leaves the failed one as a temporary folder, which a resume never reads.
         """
+        absl_logger = logging.getLogger("absl")
+        level = absl_logger.level
+        absl_logger.setLevel(logging.CRITICAL)  # orbax logs the failure with its traceback first
         try:
             yield
         except Exception as e:  # noqa: BLE001 - any failed write means the same thing to the user
@@ -303,7 +309,9 @@ class Checkpointer:
                 sys.stderr = _MainThreadOnly(sys.stderr)
             done = self.complete_steps()
             kept = f"the last complete checkpoint, step {done[-1]}, stands" if done else "no complete checkpoint yet"
-            raise UserError(f"cannot write {what} in {self.directory} ({_first_line(e)}); {kept}") from None
+            raise UserError(f"cannot write a checkpoint in {self.directory} ({_first_line(e)}); {kept}") from None
+        finally:
+            absl_logger.setLevel(level)
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Start an asynchronous save when the interval says so or `force`; returns whether it did.
@@ -315,7 +323,7 @@ class Checkpointer:
         every = self.config.checkpoint.every
         if not force and not (every and step % every == 0):
             return False
-        with self._writing(f"checkpoint step {step}"):
+        with self._writing():
             manager = self._open()
             if manager.latest_step() == step:
                 return False  # already saved (or being saved) at this step
@@ -343,7 +351,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every started save is complete on disk (UserError if one failed)."""
         if self._manager is not None:
-            with self._writing("a checkpoint"):
+            with self._writing():
                 self._manager.wait_until_finished()
 
     def close(self) -> None:
@@ -353,7 +361,7 @@ class Checkpointer:
             manager, self._manager = self._manager, None
             reported = self._failed
             try:
-                with self._writing("a checkpoint"):
+                with self._writing():
                     manager.wait_until_finished()
             except UserError:
                 if not reported:

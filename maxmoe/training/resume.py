@@ -1,5 +1,6 @@
 """Whether a checkpoint in run.dir may be resumed by this config: the run must be the same one.
 
+    check_init_from(saved_config, config, run_dir, step)          # UserError: run.dir holds another run
     changes = check_resume(saved_config, config, run_dir, step)   # UserError, or the accepted changes
 
 A resume that changes the model, its numerics, the optimizer or the data order would continue
@@ -68,13 +69,10 @@ def optimizer_hint(saved_config: Any, config: Config) -> str:
     return f" (the optimizer changed{': ' + '; '.join(diffs) if diffs else ''})"
 
 
-def check_resume(saved_config: Any, config: Config, run_dir: Path, step: int) -> list[str]:
-    """UserError when run.dir's run (its checkpoint `step`, saved with `saved_config`) is not the one
-    `config` continues; returns the changes accepted under checkpoint.allow_config_change.
-
-    checkpoint.init_from set here must be the one the stored run started from: otherwise
-    run.dir holds another run, and resuming it would ignore init_from.
-    """
+def check_init_from(saved_config: Any, config: Config, run_dir: Path, step: int) -> None:
+    """UserError when checkpoint.init_from is set and run.dir's run (its checkpoint `step`, saved
+    with `saved_config`) did not start from it: run.dir holds another run, and resuming it would
+    ignore init_from."""
     c = config.checkpoint
     saved_checkpoint = saved_config.get("checkpoint") if isinstance(saved_config, dict) else None
     started_from = saved_checkpoint.get("init_from", "") if isinstance(saved_checkpoint, dict) else ""
@@ -84,6 +82,12 @@ def check_resume(saved_config: Any, config: Config, run_dir: Path, step: int) ->
             f"checkpoint.init_from={c.init_from}: run.dir {run_dir} already holds another run (step {step}, "
             f"started from {origin}); choose a new run.dir, or drop checkpoint.init_from to resume that run"
         )
+
+
+def check_resume(saved_config: Any, config: Config, run_dir: Path, step: int) -> list[str]:
+    """UserError when `config` changes what run.dir's run (its checkpoint `step`, saved with
+    `saved_config`) is; returns the changes accepted under checkpoint.allow_config_change."""
+    c = config.checkpoint
     changes = resume_changes(saved_config, config)
     if changes and not c.allow_config_change:
         shown = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
