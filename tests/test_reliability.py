@@ -181,6 +181,13 @@ def test_a_step_whose_update_is_not_finite_is_skipped_and_counted():
             np.testing.assert_array_equal(new.params["w"], params["w"])  # kept as they were
             assert (int(new.bad_steps), int(new.skipped)) == (1, 1)
             assert optax.tree.norm(new.opt_state) == optax.tree.norm(state.opt_state)
+    # A parameter that is NaN already (loaded so) makes its own update NaN: that alone is no bad step.
+    poisoned = {"w": params["w"].at[0].set(jnp.nan)}
+    optimizer = make_optimizer(config.train)
+    state = state.replace(params=poisoned, opt_state=optimizer.init(poisoned))
+    new, _ = step_lib.apply_gradients(config, optimizer, state, jnp.float32(1.0), aux, grads)
+    assert int(new.bad_steps) == 0 and np.isfinite(np.asarray(new.params["w"][1:])).all()
+    assert not np.array_equal(new.params["w"][1:], params["w"][1:])
 
 
 # --------------------------------------------------------------------------- run.dir (items 4, 5)

@@ -9,7 +9,7 @@ Loss = next-token cross-entropy (fp32 log-softmax; with train.loss_chunk > 0 fus
      + seq_aux_alpha * (sum over MoE layers of the sequence-wise balance loss).
 Router biases are not optimizer parameters: after each step every MoE layer's bias moves
 by bias_update_rate * sign(mean load - load), from that step's global expert counts.
-A step whose loss or gradient norm is not finite leaves the state unchanged and counts it.
+A step whose loss, gradient norm or parameter update is not finite leaves the state unchanged and counts it.
 """
 
 from __future__ import annotations
@@ -253,9 +253,9 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
     return train_step
 
 
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every array of `tree` is finite (a scalar bool)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+def all_true(tree: Any) -> jax.Array:
+    """Whether every element of every boolean array of `tree` is true (a scalar bool)."""
+    leaves = [jnp.all(x) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
@@ -287,8 +287,10 @@ def apply_gradients(
             return params, opt_state, router, jnp.array(False)
 
         # Finite loss and gradients can still give non-finite updates (e.g. a moment decay of 1):
-        # such a step is bad too, and the parameters stay as they were.
-        return jax.lax.cond(all_finite(updates), apply, keep, params, new_opt_state, new_router, opt_state, router)
+        # such a step is bad too, and the parameters stay as they were. Entries that were not
+        # finite already (e.g. loaded so) do not count: they would make every later step bad.
+        fresh = jax.tree.map(lambda u, p: jnp.isfinite(u) | ~jnp.isfinite(p), updates, params)
+        return jax.lax.cond(all_true(fresh), apply, keep, params, new_opt_state, new_router, opt_state, router)
 
     # A skipped step leaves parameters, moments and router biases as they were. As a cond (not a
     # select of new and old) the update can write the donated buffers in place: selecting kept

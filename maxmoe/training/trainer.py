@@ -16,7 +16,7 @@ with the same handlers in place, so a signal then cannot cut a checkpoint short.
 Trainer refuses every method that would touch run.dir.
 
 The loop: one step stays in flight (its metrics are read on the host only at log steps);
-a step whose loss or gradient norm is not finite leaves the state as it was, and
+a step whose loss, gradient norm or update is not finite leaves the state as it was, and
 `train.max_bad_steps` of them in a row stop the run with the last good state saved.
 """
 
