@@ -96,6 +96,17 @@ class _DropBackgroundErrors(logging.Filter):
 _BACKGROUND_ERRORS = _DropBackgroundErrors()
 
 
+class _DropOrphanedTasks(logging.Filter):
+    """After a failed save (already reported): drops asyncio's "Task exception was never
+    retrieved" records, the same failure once more from each of orbax's abandoned write tasks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Task exception was never retrieved")
+
+
+_ORPHANED_TASKS = _DropOrphanedTasks()
+
+
 @contextlib.contextmanager
 def _quiet_orbax():
     """Hold back orbax's absl error logs while reading: a step that cannot be read becomes our one line.
@@ -307,6 +318,7 @@ class Checkpointer:
             self._failed = True
             if not isinstance(sys.stderr, _MainThreadOnly):  # tensorstore's threads still report, later
                 sys.stderr = _MainThreadOnly(sys.stderr)
+            logging.getLogger("asyncio").addFilter(_ORPHANED_TASKS)
             done = self.complete_steps()
             kept = f"the last complete checkpoint, step {done[-1]}, stands" if done else "no complete checkpoint yet"
             raise UserError(f"cannot write a checkpoint in {self.directory} ({_first_line(e)}); {kept}") from None
