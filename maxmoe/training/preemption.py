@@ -26,8 +26,9 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -53,6 +54,25 @@ def hold(point: str) -> None:
         if name == point and fifo:
             with Path(fifo).open("rb") as held:
                 held.read()
+
+
+def interruptible(fn: Callable[[], Any]) -> Any:
+    """fn() in a worker thread while this one waits: signal handlers (Python runs them in the main
+    thread only, between bytecodes) run at once rather than when a long XLA call returns."""
+    outcome = {}
+
+    def work():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=work, name="maxmoe-worker", daemon=True)
+    worker.start()
+    worker.join()  # interruptible: handlers run in this thread meanwhile
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _say(text: str) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +39,7 @@ from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger
 from maxmoe.training.optim import learning_rate_schedule
-from maxmoe.training.preemption import StopSignal, hold
+from maxmoe.training.preemption import StopSignal, hold, interruptible
 from maxmoe.training.programs import build_programs
 from maxmoe.training.run_dir import claim_run_dir
 
@@ -107,7 +106,7 @@ class Trainer:
             self.train_data.set_state(restored.data)
             self._check_profile_steps()
         else:
-            self.state = self.programs.init(jax.random.key(t.seed))
+            self.state = interruptible(lambda: self.programs.init(jax.random.key(t.seed)))  # compiles first
             if config.checkpoint.init_from:
                 loaded = checkpoint.load_params(
                     config.checkpoint.init_from, self.programs.abstract_state, config=config
@@ -193,21 +192,12 @@ class Trainer:
         self._first_batch = self._to_device(next(self.train_data))
         self.logger.message("maxmoe: compiling the train step ...")
         start = time.perf_counter()
-        outcome = {}
 
         def compile_step():
-            try:
-                hold("compile")
-                outcome["step"] = self.programs.train_step.lower(self.state, self._first_batch).compile()
-            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                outcome["error"] = e
+            hold("compile")
+            return self.programs.train_step.lower(self.state, self._first_batch).compile()
 
-        worker = threading.Thread(target=compile_step, name="maxmoe-compile", daemon=True)
-        worker.start()
-        worker.join()  # interruptible: signal handlers run in this thread meanwhile
-        if "error" in outcome:
-            raise outcome["error"]
-        self._train_step = outcome["step"]
+        self._train_step = interruptible(compile_step)
         self.logger.message(f"maxmoe: compiled in {time.perf_counter() - start:.1f}s")
 
     def _stop_before_training(self) -> bool:
