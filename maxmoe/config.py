@@ -224,8 +224,8 @@ class TrainConfig:
     warmup_steps: int = _field(30, ge=0, doc="linear warmup to train.lr")
     min_lr_ratio: float = _field(0.1, ge=0, doc="final learning rate / train.lr")
     decay_fraction: float = _field(0.2, ge=0, doc="wsd: final fraction of steps that decays")
-    b1: float = _field(0.9, ge=0, doc="Adam beta1")
-    b2: float = _field(0.95, ge=0, doc="Adam beta2")
+    b1: float = _field(0.9, ge=0, doc="Adam beta1, in [0, 1)")
+    b2: float = _field(0.95, ge=0, doc="Adam beta2, in [0, 1)")
     eps: float = _field(1e-8, gt=0, doc="Adam epsilon")
     weight_decay: float = _field(0.1, ge=0, doc="decoupled weight decay (AdamW)")
     clip_norm: float = _field(1.0, ge=0, doc="0: no clipping")
@@ -287,6 +287,9 @@ class CheckpointConfig:
     keep_every: int = _field(0, ge=0, doc="also keep every N-th step; 0: off")
     resume: bool = _field(True, doc="continue from the latest checkpoint in run.dir; false: refuse a non-empty run.dir")
     init_from: str = _field("", doc="initialise parameters only from this checkpoint")
+    allow_config_change: bool = _field(
+        False, doc="resume although the model, its numerics, the optimizer or the data order changed"
+    )
     async_save: bool = _field(True, doc="write checkpoints in the background")
 
 
@@ -658,6 +661,9 @@ def validate(config: Config) -> None:
             f"moe.fp8_dispatch=true needs model.fp8 set and moe.dispatch=ragged_a2a (or auto); "
             f"got model.fp8={m.fp8}, moe.dispatch={config.moe.dispatch}"
         )
+    for name in ("b1", "b2"):  # 1.0 divides by 1 - beta**t = 0: every parameter NaN after the first update
+        if not getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}={getattr(t, name)}: must be below 1 (Adam's moment decay, in [0, 1))")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     _validate_shards(config.data)
@@ -668,6 +674,11 @@ def validate(config: Config) -> None:
     ps = config.run.profile_steps
     if ps and (len(ps) != 2 or not all(isinstance(s, int) and s >= 0 for s in ps) or ps[0] > ps[1]):
         raise ConfigError(f"run.profile_steps={ps!r}: expected [first, last] step numbers")
+    if ps and ps[1] >= t.steps:  # steps count from 0: a trace that never ends writes nothing
+        raise ConfigError(
+            f"run.profile_steps={ps!r}: past the run's last step, {t.steps - 1} (train.steps={t.steps}; "
+            f"steps count from 0)"
+        )
     if m.max_position_embeddings < t.seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}"

@@ -57,11 +57,30 @@ def vocab_size_of(config: Config) -> int:
         return config.model.vocab_size
     if config.data.kind == "stdlib":
         return BYTE_VOCAB_SIZE
-    sizes = {str(folder): read_meta(folder)["vocab_size"] for folder, _ in data_folders(config)}
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{folder}: {size}" for folder, size in sizes.items())
-        raise UserError(f"data.mixture: the folders have different vocabularies ({listed}); use one tokenizer")
-    return next(iter(sizes.values()))
+    metas = {str(folder): read_meta(folder) for folder, _ in data_folders(config)}
+    check_one_tokenizer(metas)
+    return next(iter(metas.values()))["vocab_size"]
+
+
+def _tokenizer_of(meta: dict) -> tuple:
+    """What must agree between the folders of one mixture: vocabulary size, EOS id, byte or not."""
+    return meta["vocab_size"], meta.get("eos_id"), meta.get("tokenizer") == "byte"
+
+
+def check_one_tokenizer(metas: dict[str, dict]) -> None:
+    """A UserError unless every folder's meta.json ({folder: meta}) says the same tokenizer.
+
+    Token ids of two tokenizers mean different things; mixed, they train on noise however
+    model.vocab_size is set.
+    """
+    if len({_tokenizer_of(meta) for meta in metas.values()}) <= 1:
+        return
+    listed = ", ".join(
+        f"{folder}: {meta.get('tokenizer', 'tokenizer unknown')}, vocabulary {meta['vocab_size']}, "
+        f"EOS {meta.get('eos_id')}"
+        for folder, meta in metas.items()
+    )
+    raise UserError(f"data.mixture: the folders were made with different tokenizers ({listed}); use one tokenizer")
 
 
 def _grain():
@@ -175,6 +194,8 @@ def make_dataset(
     folders = data_folders(config)
     weights = [weight for _, weight in folders]
     streams, token_arrays, described = [], [], []
+    if len(folders) > 1:
+        check_one_tokenizer({str(folder): read_meta(folder) for folder, _ in folders})
     for number, (folder, weight) in enumerate(folders):
         tokens, meta = load_tokens(folder, split)
         if config.model.vocab_size < meta["vocab_size"]:
@@ -203,7 +224,7 @@ def make_dataset(
         batch = np.empty((len(sample_ids), window), np.int32)
         for row, (source, index) in enumerate(zip(sources, indices)):
             start = streams[source][int(index)] * t.seq_len
-            batch[row] = token_arrays[source][start : start + window]  # slice copies beat a fancy-index gather 3x
+            batch[row] = token_arrays[source][start : start + window]  # one positioned read per row
         return batch
 
     # Global sample s * batch + r is row r of step s: batching by the local size and taking every

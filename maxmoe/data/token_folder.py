@@ -172,24 +172,77 @@ def read_meta(folder: str | Path) -> dict:
     return meta
 
 
+class TokenFile:
+    """One split's tokens, read from the file on demand (positioned reads, never a memory map).
+
+    A memory-mapped file that shrinks under a reader kills the process with SIGBUS; a read
+    here that comes back short is a UserError naming the file instead. Slices with step 1
+    read just their range; `np.asarray(tokens)` reads the whole file.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype, count: int):
+        self.path, self.dtype, self.size = Path(path), np.dtype(dtype), count
+        self.shape, self.ndim = (count,), 1
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as an array (clipped to the file's promised length, as slices are)."""
+        start, stop = max(0, min(start, self.size)), max(0, min(stop, self.size))
+        want = max(0, stop - start) * self.dtype.itemsize
+        data = os.pread(self._fd, want, start * self.dtype.itemsize) if want else b""
+        if len(data) != want:
+            now = os.fstat(self._fd).st_size
+            raise UserError(
+                f"{self.path} changed while it was being read: {now} bytes now, meta.json promises "
+                f"{self.size} tokens ({self.size * self.dtype.itemsize} bytes); a token folder must not "
+                f"change while a run reads it (checkpoints already written stand)"
+            )
+        return np.frombuffer(data, self.dtype)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(self.size)
+            return self.read(start, stop)
+        if isinstance(key, (int, np.integer)):
+            index = int(key) + (self.size if key < 0 else 0)
+            if not 0 <= index < self.size:
+                raise IndexError(f"token {key} is outside the {self.size} tokens of {self.path}")
+            return self.read(index, index + 1)[0]
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype=None, copy=None):  # noqa: ARG002 - numpy's protocol; always a new array
+        tokens = self.read(0, self.size)
+        return tokens if dtype is None else tokens.astype(dtype)
+
+    def max(self) -> int:
+        """The largest token id, read in blocks (bounded memory whatever the file size); -1 when empty."""
+        return max((int(self.read(i, i + _SCAN_BLOCK).max()) for i in range(0, self.size, _SCAN_BLOCK)), default=-1)
+
+    def __del__(self):
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+
 # Largest token id of each token file already read: (path, size, mtime) -> id. Evaluation reopens
 # the eval split every time; the scan runs once per file and process.
 _MAX_ID_SEEN: dict[tuple, int] = {}
 _SCAN_BLOCK = 1 << 24  # tokens per block of the scan: bounded memory whatever the file size
 
 
-def _largest_id(path: Path, tokens: np.ndarray) -> int:
+def _largest_id(path: Path, tokens: TokenFile) -> int:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key not in _MAX_ID_SEEN:
-        _MAX_ID_SEEN[key] = max(
-            (int(tokens[i : i + _SCAN_BLOCK].max()) for i in range(0, len(tokens), _SCAN_BLOCK)), default=-1
-        )
+        _MAX_ID_SEEN[key] = tokens.max()
     return _MAX_ID_SEEN[key]
 
 
-def load_tokens(folder: str | Path, split: str) -> tuple[np.ndarray, dict]:
-    """The tokens of one split of a token folder (memory-mapped) and its meta.
+def load_tokens(folder: str | Path, split: str) -> tuple[TokenFile | np.ndarray, dict]:
+    """The tokens of one split of a token folder (a TokenFile, read on demand) and its meta.
 
     The split's file must be a plain name inside the folder, hold exactly the promised number
     of tokens, and every id must be below the folder's vocab_size (checked once per file).
@@ -209,7 +262,7 @@ def load_tokens(folder: str | Path, split: str) -> tuple[np.ndarray, dict]:
         raise UserError(f"{path}: {path.stat().st_size} bytes, meta.json promises {count!r} {meta['dtype']} tokens")
     if count == 0:
         return np.zeros(0, dtype), meta
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+    tokens = TokenFile(path, dtype, count)
     largest = _largest_id(path, tokens)
     if largest >= meta["vocab_size"]:
         raise UserError(

@@ -37,6 +37,8 @@ from maxmoe.model.transformer import abstract_variables
 from maxmoe.training import stage_state
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
+from maxmoe.training.preemption import hold
+from maxmoe.training.resume import check_init_from, check_resume, optimizer_hint
 from maxmoe.training.run_dir import LOCK_NAME
 
 STEP_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress step folders
@@ -81,6 +83,28 @@ class _MainThreadOnly:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+class _DropBackgroundErrors(logging.Filter):
+    """Drops error records that orbax's background save threads log: the failure reaches the
+    main thread through `wait_until_finished` and is reported there once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or threading.current_thread() is threading.main_thread()
+
+
+_BACKGROUND_ERRORS = _DropBackgroundErrors()
+
+
+class _DropOrphanedTasks(logging.Filter):
+    """After a failed save (already reported): drops asyncio's "Task exception was never
+    retrieved" records, the same failure once more from each of orbax's abandoned write tasks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Task exception was never retrieved")
+
+
+_ORPHANED_TASKS = _DropOrphanedTasks()
 
 
 @contextlib.contextmanager
@@ -187,6 +211,8 @@ class Checkpointer:
         self.directory = (Path(run_dir) / "checkpoints").absolute()
         self._manager = None
         self._chunking = None  # save arguments per array, made at the first save
+        self._failed = False  # a write failed and was reported
+        self.changes: list[str] = []  # config changes a resume accepted (checkpoint.allow_config_change)
 
     def _open(self):
         if self._manager is None:
@@ -200,6 +226,7 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_handlers=_handlers("state", "data", "config")
             )
+            logging.getLogger("absl").addFilter(_BACKGROUND_ERRORS)
         return self._manager
 
     def check_start(self) -> None:
@@ -246,13 +273,16 @@ class Checkpointer:
             stored_state = metadata.get("state") if metadata is not None else None
             if stored_state is None or not (self.directory / str(step) / "data").is_dir():
                 raise UserError(f"{where} is not a maxmoe training checkpoint (no state or data item){advice}")
-            check_fits(
-                getattr(stored_state, "tree", stored_state),
-                abstract_state,
-                where,
-                _model_differences(saved_config, self.config),
-                exact=True,
-            )
+            check_init_from(saved_config, self.config, self.directory.parent, step)
+            stored_tree = getattr(stored_state, "tree", stored_state)
+            model_hint = _model_differences(saved_config, self.config)
+            if not model_hint:  # the parameters fit: a mismatch is in the optimizer's state
+                stored_params = {"params": stored_tree.get("params")} if isinstance(stored_tree, dict) else {}
+                check_fits(stored_params, {"params": abstract_state.params}, where, exact=True)
+                model_hint = optimizer_hint(saved_config, self.config)
+            check_fits(stored_tree, abstract_state, where, model_hint, exact=True)
+            # Arrays that fit can still belong to another run: another seed, router, batch or data.
+            self.changes = check_resume(saved_config, self.config, self.directory.parent, step)
             try:
                 restored = manager.restore(
                     step,
@@ -265,18 +295,53 @@ class Checkpointer:
         state = stage_state.to_stage_order(self.config, restored["state"], stage_abstract)
         return Restored(step=step, state=state, data=restored["data"])
 
+    def complete_steps(self) -> list[int]:
+        """The step folders on disk that a resume would accept (from the names: no orbax call)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A failed write (disk full, a read-only or immutable folder) as one UserError line.
+
+        A save runs in the background, so its failure shows at the next save or wait, and the
+        error's path names the step. Every step folder that was complete before stays as it
+        was; orbax leaves the failed one as a temporary folder, which a resume never reads.
+        """
+        absl_logger = logging.getLogger("absl")
+        level = absl_logger.level
+        absl_logger.setLevel(logging.CRITICAL)  # orbax logs the failure with its traceback first
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failed write means the same thing to the user
+            self._failed = True
+            if not isinstance(sys.stderr, _MainThreadOnly):  # tensorstore's threads still report, later
+                sys.stderr = _MainThreadOnly(sys.stderr)
+            logging.getLogger("asyncio").addFilter(_ORPHANED_TASKS)
+            done = self.complete_steps()
+            kept = f"the last complete checkpoint, step {done[-1]}, stands" if done else "no complete checkpoint yet"
+            raise UserError(f"cannot write a checkpoint in {self.directory} ({_first_line(e)}); {kept}") from None
+        finally:
+            absl_logger.setLevel(level)
+
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Start an asynchronous save when the interval says so or `force`; returns whether it did.
 
         Returns once the arrays are copied off the device (the state may then be donated);
         the files are written in the background and the step folder appears when complete.
+        A save that fails (now or in the background) is a UserError at this or the next call.
         """
         every = self.config.checkpoint.every
         if not force and not (every and step % every == 0):
             return False
-        manager = self._open()
-        if manager.latest_step() == step:
-            return False  # already saved (or being saved) at this step
+        with self._writing():
+            manager = self._open()
+            if manager.latest_step() == step:
+                return False  # already saved (or being saved) at this step
+            return self._start_save(manager, step, state, data_state)
+
+    def _start_save(self, manager: Any, step: int, state: Any, data_state: dict) -> bool:
         return manager.save(
             step,
             args=ocp.args.Composite(
@@ -296,15 +361,27 @@ class Checkpointer:
         return self._chunking
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
+        """Block until every started save is complete on disk (UserError if one failed)."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            with self._writing():
+                self._manager.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for the saves in flight, then let go of the folder (a failure already reported is not raised again)."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+            hold("checkpoint-close")
+            manager, self._manager = self._manager, None
+            reported = self._failed
+            try:
+                with self._writing():
+                    manager.wait_until_finished()
+            except UserError:
+                if not reported:
+                    raise
+            finally:
+                with contextlib.suppress(Exception):
+                    manager.close()
+            logging.getLogger("absl").removeFilter(_BACKGROUND_ERRORS)
 
 
 @contextlib.contextmanager

@@ -31,17 +31,49 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Keep only lines whose step is <= `step` (atomic rewrite)."""
+def _bad_line(path: Path, number: int, why: str) -> UserError:
+    return UserError(
+        f"{path}, line {number}: {why}; only a last line cut short by a crash is dropped on resume "
+        f"(mend or remove the line, or move the file away)"
+    )
+
+
+def _record_step(line: str) -> int | None:
+    """The step of one metrics line, or None when it is not a record with an integer step."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def truncate_after(path: Path, step: int) -> str:
+    """Keep only lines whose step is <= `step` (atomic rewrite); returns a note for the console or ''.
+
+    Only the last line may be unreadable (a crash cut it short): it is dropped and the note
+    says so. Any other line that is not a JSON record with an integer step, or bytes that
+    are not UTF-8, is a UserError naming the line; the file is left as it was.
+    """
     if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
+        return ""
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        number = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise _bad_line(path, number, "not UTF-8 text") from None
+    kept, note = [], ""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        line_step = _record_step(line)
+        if line_step is None:
+            if number == len(lines) and not path.read_bytes().endswith(b"\n"):
+                note = f"maxmoe: {path}: dropped its last line, cut short by the end of the previous run"
+                continue
+            raise _bad_line(path, number, "not a JSON record with an integer step")
+        if line_step <= step:
+            kept.append(line)
     # A name of its own: two processes rewriting one file must not share a temporary file.
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -49,6 +81,7 @@ def truncate_after(path: Path, step: int) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return note
 
 
 class MetricsLogger:
@@ -80,8 +113,10 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_after(self.path, start_step)
+        note = truncate_after(self.path, start_step)
         self._file = self.path.open("a")
+        if note:
+            self.message(note)
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter

@@ -4,9 +4,11 @@
     with stop.installed():                    # handlers only while the loop runs
         ... after each step:  if stop.should_stop(step): save step; leave the loop
 
-One process: Python handlers note the signal and the loop stops after the step in flight.
-`installed()` nests: only the outermost use installs handlers, and the ones that were there
-before come back when it ends (a notebook's interrupt keeps working after a run).
+One process: Python handlers note the signal, say so on stderr at once, and the loop stops
+after the step in flight. A second SIGINT (Ctrl-C again) does not wait: the command line exits
+at once with status 130, a notebook gets KeyboardInterrupt. `installed()` nests: only the
+outermost use installs handlers, and the ones that were there before come back when it ends
+(a notebook's interrupt keeps working after a run).
 
 Several processes (jax.distributed): a process that stops alone leaves the others waiting in a
 collective, and their checkpoints would not match. JAX's preemption service already handles
@@ -24,7 +26,9 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -35,24 +39,88 @@ def _preemption_service() -> bool:
     return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)
 
 
+HOLD_ENV = "MAXMOE_HOLD"
+
+
+def hold(point: str) -> None:
+    """Wait at a named point of a run while MAXMOE_HOLD=point:FIFO says so, until FIFO is written to.
+
+    Tests land a signal or change a file at an exact point this way (the writer's `open` returns
+    once the run waits here); unset, this does nothing.
+    """
+    spec = os.environ.get(HOLD_ENV, "")
+    for entry in spec.split(","):
+        name, _, fifo = entry.partition(":")
+        if name == point and fifo:
+            with Path(fifo).open("rb") as held:
+                held.read()
+
+
+def interruptible(fn: Callable[[], Any]) -> Any:
+    """fn() in a worker thread while this one waits: signal handlers (Python runs them in the main
+    thread only, between bytecodes) run at once rather than when a long XLA call returns."""
+    outcome = {}
+
+    def work():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=work, name="maxmoe-worker", daemon=True)
+    worker.start()
+    worker.join()  # interruptible: handlers run in this thread meanwhile
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler (os.write: the stream may be in the middle of a write)."""
+    try:
+        os.write(2, f"{text}\n".encode())
+    except OSError:
+        pass
+
+
 class StopSignal:
     """Turns SIGTERM/SIGINT into "save and stop after this step", agreed across processes.
 
     `requested` names the reason once a stop is due; `clear()` forgets it once acted on.
+    With `exit_on_second_interrupt` (the command line) a SIGINT while a stop is pending exits
+    the process at once (status 130); otherwise it raises KeyboardInterrupt (a notebook).
     """
 
-    def __init__(self, process_count: int = 1):
+    def __init__(self, process_count: int = 1, *, exit_on_second_interrupt: bool = False):
         self.requested: str | None = None
-        self.process_count = process_count
-        self.synced = process_count > 1 and _preemption_service()
+        self.exit_on_second_interrupt = exit_on_second_interrupt
+        self._seen = False  # a signal came and is not yet acted on
         self._depth = 0
         self._previous: dict = {}
+        self.bind(process_count)
+
+    def bind(self, process_count: int) -> StopSignal:
+        """Set the process count once jax.distributed is up (a StopSignal may be made before); returns self."""
+        self.process_count = process_count
+        self.synced = process_count > 1 and _preemption_service()
+        if self.synced:  # jax.distributed's notifier took SIGTERM over: never put another handler back
+            self._previous.pop(signal.SIGTERM, None)
+        return self
 
     def _handle(self, signum, frame):  # noqa: ARG002 - signal API
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self._seen:
+            if self.exit_on_second_interrupt:
+                _say("maxmoe: SIGINT again: exiting now, without saving")
+                os._exit(130)
+            raise KeyboardInterrupt
+        if not self._seen:
+            _say(f"maxmoe: {name}: stopping; the step in progress is finished and saved first (Ctrl-C again: exit now)")
+        self._seen = True
         if self.synced:  # JAX's notifier owns SIGTERM: hand the interrupt to it
             os.kill(os.getpid(), signal.SIGTERM)
         else:
-            self.requested = signal.Signals(signum).name
+            self.requested = name
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopSignal]:
@@ -79,5 +147,5 @@ class StopSignal:
 
     def clear(self) -> str | None:
         """The pending reason, forgotten (the loop has acted on it)."""
-        reason, self.requested = self.requested, None
+        reason, self.requested, self._seen = self.requested, None, False
         return reason

@@ -31,6 +31,28 @@ from jax.experimental import multihost_utils
 from maxmoe.config import UserError
 
 LOCK_NAME = "maxmoe.lock"
+# What a run writes in run.dir: each must be a regular file (or folder) if it is there at all.
+RUN_FILES = ("metrics.jsonl", "config.yaml", "xla_flags.txt", "allocator.env", LOCK_NAME)
+RUN_FOLDERS = ("checkpoints", "tensorboard", "profile")
+
+
+def check_layout(run_dir: Path) -> None:
+    """A UserError naming the first entry of run.dir that is not of the kind the run writes there.
+
+    Found at the first save, a regular file named `checkpoints` would cost the training done
+    so far; a symbolic link named like the lock file would be truncated through.
+    """
+    lock = run_dir / LOCK_NAME
+    if lock.is_symlink():
+        raise UserError(f"{lock} is a symbolic link; the lock file must be a regular file (remove the link)")
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.exists() and not path.is_file():
+            raise UserError(f"run.dir {run_dir}: {path} is not a regular file; move it away or choose another run.dir")
+    for name in RUN_FOLDERS:
+        path = run_dir / name
+        if path.exists() and not path.is_dir():
+            raise UserError(f"run.dir {run_dir}: {path} is not a folder; move it away or choose another run.dir")
 
 
 def prepare_run_dir(path: str | Path) -> Path:
@@ -50,6 +72,7 @@ def prepare_run_dir(path: str | Path) -> Path:
     except OSError as e:
         where = f" ({e.filename})" if e.filename and Path(e.filename) != probe else ""
         raise UserError(f"run.dir={path}: cannot write there{where}: {e.strerror or type(e).__name__}") from None
+    check_layout(run_dir)
     return run_dir
 
 
@@ -74,7 +97,14 @@ class RunDirLock:
 
     def acquire(self) -> None:
         """Take the lock without waiting, and write this process's pid, host and start time into the file."""
-        handle = open(self.path, "a+")  # noqa: SIM115 - held open for the whole run
+        # O_NOFOLLOW: a link named like the lock file must not lead the truncation below to another file.
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UserError(f"{self.path} is a symbolic link; the lock file must be a regular file") from None
+            raise UserError(f"cannot open {self.path}: {e.strerror or type(e).__name__}") from None
+        handle = os.fdopen(fd, "r+")  # held open for the whole run
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

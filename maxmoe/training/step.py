@@ -9,7 +9,7 @@ Loss = next-token cross-entropy (fp32 log-softmax; with train.loss_chunk > 0 fus
      + seq_aux_alpha * (sum over MoE layers of the sequence-wise balance loss).
 Router biases are not optimizer parameters: after each step every MoE layer's bias moves
 by bias_update_rate * sign(mean load - load), from that step's global expert counts.
-A step whose loss or gradient norm is not finite leaves the state unchanged and counts it.
+A step whose loss, gradient norm or parameter update is not finite leaves the state unchanged and counts it.
 """
 
 from __future__ import annotations
@@ -253,6 +253,12 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, lay
     return train_step
 
 
+def all_true(tree: Any) -> jax.Array:
+    """Whether every element of every boolean array of `tree` is true (a scalar bool)."""
+    leaves = [jnp.all(x) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def apply_gradients(
     config: Config,
     optimizer: optax.GradientTransformation,
@@ -271,15 +277,26 @@ def apply_gradients(
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def update(params, opt_state, router):
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        router = update_router_bias(router, aux["moe_stats"], config.moe.bias_update_rate)
-        return optax.apply_updates(params, updates), opt_state, router
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_router = update_router_bias(router, aux["moe_stats"], config.moe.bias_update_rate)
+
+        def apply(params, new_opt_state, new_router, opt_state, router):  # noqa: ARG001 - cond's operands
+            return optax.apply_updates(params, updates), new_opt_state, new_router, jnp.array(True)
+
+        def keep(params, new_opt_state, new_router, opt_state, router):  # noqa: ARG001 - cond's operands
+            return params, opt_state, router, jnp.array(False)
+
+        # Finite loss and gradients can still give non-finite updates (e.g. a moment decay of 1):
+        # such a step is bad too, and the parameters stay as they were. Entries that were not
+        # finite already (e.g. loaded so) do not count: they would make every later step bad.
+        fresh = jax.tree.map(lambda u, p: jnp.isfinite(u) | ~jnp.isfinite(p), updates, params)
+        return jax.lax.cond(all_true(fresh), apply, keep, params, new_opt_state, new_router, opt_state, router)
 
     # A skipped step leaves parameters, moments and router biases as they were. As a cond (not a
     # select of new and old) the update can write the donated buffers in place: selecting kept
     # the old ones alive beside the new (16% more temp in a dry run of a 100M-parameter model).
-    params, opt_state, router = jax.lax.cond(
-        ok, update, lambda *kept: kept, state.params, state.opt_state, state.router
+    params, opt_state, router, ok = jax.lax.cond(
+        ok, update, lambda *kept: (*kept, jnp.array(False)), state.params, state.opt_state, state.router
     )
     new_state = state.replace(
         step=state.step + 1,  # loop steps, skipped ones included (the optimizer counts updates)

@@ -9,16 +9,20 @@
 
 `Trainer(config, devices=jax.devices()[:1])` lays the mesh over those devices only, so one
 process can train on one device, then on all of them (or the reverse). While `run` runs,
-SIGTERM and SIGINT mean "finish this step, save it, stop"; the handlers that were there
-before come back when it returns (a notebook's interrupt keeps working).
+SIGTERM and SIGINT mean "finish this step, save it, stop" (during compilation: stop before
+the first step; a second SIGINT interrupts at once); the handlers that were there before come
+back when it returns (a notebook's interrupt keeps working). `close` finishes pending saves
+with the same handlers in place, so a signal then cannot cut a checkpoint short. A closed
+Trainer refuses every method that would touch run.dir.
 
 The loop: one step stays in flight (its metrics are read on the host only at log steps);
-a step whose loss or gradient norm is not finite leaves the state as it was, and
+a step whose loss, gradient norm or update is not finite leaves the state as it was, and
 `train.max_bad_steps` of them in a row stop the run with the last good state saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -30,13 +34,13 @@ import jax
 import numpy as np
 
 from maxmoe import data, runtime, xla_flags
-from maxmoe.config import Config
+from maxmoe.config import Config, UserError
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger
 from maxmoe.training.optim import learning_rate_schedule
-from maxmoe.training.preemption import StopSignal
+from maxmoe.training.preemption import StopSignal, hold, interruptible
 from maxmoe.training.programs import build_programs
 from maxmoe.training.progress import format_duration
 from maxmoe.training.run_dir import claim_run_dir
@@ -75,6 +79,8 @@ class Trainer:
         self._started = time.perf_counter()
         self._seconds = {"training": 0.0, "compiling": 0.0, "eval": 0.0, "checkpoints": 0.0}
         self._eval_step = None  # compiled at the first evaluate()
+        self._closed = False
+        self._tracing = False
         # Before any jax computation starts a backend: host devices, XLA flags, jax.distributed.
         flags = runtime.setup(config)
         self.config = config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
@@ -82,10 +88,11 @@ class Trainer:
         self.run_dir = Path(config.run.dir)
         self.checkpointer = checkpoint.Checkpointer(config, self.run_dir)
         self.checkpointer.check_start()
-        self.stop = stop or StopSignal(jax.process_count())
+        self.stop = stop.bind(jax.process_count()) if stop else StopSignal(jax.process_count())
         # Before anything compiles: run.dir must be writable and no other job may be using it.
         self.lock = claim_run_dir(self.run_dir, jax.process_index(), jax.process_count())
         try:
+            hold("trainer-init")
             self._start(devices, flags)
         except BaseException:
             self.close()  # finish pending work before any exit, error or not
@@ -96,6 +103,7 @@ class Trainer:
         self.layout = build_layout(config, devices)
         self.devices = list(self.layout.mesh.devices.flat)
         self.train_data = self._dataset("train")
+        next(iter(self._dataset("eval")))  # the eval split is read at the end of every run: checked now
         self.programs = build_programs(config, self.layout)
         restored = self.checkpointer.restore_latest(self.programs.abstract_state)
         if restored is None or restored.step < t.steps:
@@ -105,6 +113,12 @@ class Trainer:
             self.train_data.set_state(restored.data)
             if self.step < t.steps:
                 self._say(f"maxmoe: resumed from {self.checkpointer.directory}, step {self.step}")
+                if self.checkpointer.changes:
+                    self._say(
+                        f"maxmoe: resuming step {self.step} with a changed config (checkpoint.allow_config_change): "
+                        + "; ".join(self.checkpointer.changes)
+                    )
+            self._check_profile_steps()
         else:
             key = jax.random.key(t.seed)
             self.state = self._compiled("the parameter initialisation", self.programs.init, key)(key)
@@ -163,11 +177,21 @@ class Trainer:
         for part, choice in (("grouped matmul", self.layout.grouped_matmul), ("attention", self.layout.attention)):
             self._say(f"maxmoe: {part}: {choice.name} ({choice.reason})")
 
-    def _compiled(self, what: str, fn, *args):
-        """`fn` compiled for `args`, announced and timed: compilation is the longest silent wait."""
+    def _compiled(self, what: str, fn, *args, hold_point: str | None = None):
+        """`fn` compiled for `args`, announced and timed: compilation is the longest silent wait.
+
+        XLA compiles in a thread of its own while this one waits: a signal's handler runs (and
+        says so) at once rather than when the compilation ends.
+        """
         self._say(f"maxmoe: compiling {what} ...")
         start = time.perf_counter()
-        compiled = fn.lower(*args).compile()
+
+        def compile_program():
+            if hold_point:
+                hold(hold_point)
+            return fn.lower(*args).compile()
+
+        compiled = interruptible(compile_program)
         seconds = time.perf_counter() - start
         self._seconds["compiling"] += seconds
         self._say(f"maxmoe: compiled {what} in {seconds:.1f}s")
@@ -177,6 +201,19 @@ class Trainer:
         path = self.config.checkpoint.init_from
         with checkpoint.latest_step_of(path, f"checkpoint.init_from={path}") as (_, step, _):
             return step
+
+    def _check_profile_steps(self) -> None:
+        """run.profile_steps must not start before the step a resumed run starts from."""
+        profile = self.config.run.profile_steps
+        if profile and profile[0] < self.step:
+            raise UserError(
+                f"run.profile_steps={profile}: this run resumes at step {self.step}, after the first traced step; "
+                f"trace steps from {self.step} on (e.g. run.profile_steps=[{self.step}, {self.step + 2}])"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UserError(f"this Trainer of run.dir {self.run_dir} is closed; make a new Trainer to continue")
 
     # -- data --------------------------------------------------------------------------------
 
@@ -199,7 +236,9 @@ class Trainer:
         """Compile the train step (and the eval step, if steps up to `end` evaluate) ahead of the loop:
         no step's time, tokens/s or ETA includes compilation."""
         self._first_batch = self._to_device(next(self.train_data))
-        self._train_step = self._compiled("the train step", self.programs.train_step, self.state, self._first_batch)
+        self._train_step = self._compiled(
+            "the train step", self.programs.train_step, self.state, self._first_batch, hold_point="compile"
+        )
         every, steps = self.config.train.eval_every, self.config.train.steps
         evaluates = end == steps or end // every > self.step // every
         if self._eval_step is None and evaluates:
@@ -207,6 +246,20 @@ class Trainer:
             self._eval_step = self._compiled(
                 "the eval step", self.programs.eval_step, params, router, self._first_batch
             )
+
+    def _stop_before_training(self) -> bool:
+        """A signal that came before the first step of a `run`: stop with nothing trained (nothing new to save)."""
+        if not self.stop.requested:
+            return False
+        self.stop_reason = self.stop.clear()
+        message = (
+            f"maxmoe: {self.stop_reason}: stopped before training a step; run.dir {self.run_dir} is at step {self.step}"
+        )
+        if self.logger is not None:
+            self.logger.message(message)
+        elif self.is_main:
+            print(message)
+        return True
 
     def _next_batch(self) -> jax.Array:
         batch, self._first_batch = self._first_batch, None
@@ -219,23 +272,30 @@ class Trainer:
         checkpoint.every says and at train.steps. Stops early, saving the step it is on, on
         SIGTERM/SIGINT or after train.max_bad_steps non-finite steps in a row (see `stop_reason`).
         """
-        t, run_dir = self.config.train, self.run_dir
+        self._check_open()
+        t = self.config.train
         end = t.steps if steps is None else min(t.steps, self.step + max(steps, 0))
         first_record = len(self.history)
         self.stop_reason = None
-        profile = self.config.run.profile_steps
-        with self.stop.installed():
+        profile, run_dir = self.config.run.profile_steps, self.run_dir
+        with self.stop.installed(), self._trace_closed():
+            if self._stop_before_training():
+                return []
             if self._train_step is None and self.step < end:
                 self._compile(end)
+                if self._stop_before_training():
+                    return []
             last_time, last_step, paused = time.perf_counter(), self.step, 0.0
             while self.step < end:
                 if profile and self.step == profile[0]:
                     jax.profiler.start_trace(str(run_dir / "profile"))
+                    self._tracing = True
                 self.state, metrics = self._train_step(self.state, self._next_batch())
                 self.step += 1
                 step = self.step
-                if profile and step == profile[1] + 1:
+                if self._tracing and step == profile[1] + 1:
                     jax.profiler.stop_trace()
+                    self._tracing = False
                 if step % t.log_every == 0 or step == t.steps:
                     jax.block_until_ready(metrics)  # the step's time to completion, not to dispatch
                     seconds = self._count("training", last_time + paused)
@@ -281,6 +341,16 @@ class Trainer:
         self._seconds[part] += seconds
         return seconds
 
+    @contextlib.contextmanager
+    def _trace_closed(self):
+        """A run that stops inside run.profile_steps (signal, bad steps, `run(n)`) still writes its trace."""
+        try:
+            yield
+        finally:
+            if self._tracing:
+                jax.profiler.stop_trace()
+                self._tracing = False
+
     def _log_step(self, step: int, host: dict, step_time: float) -> None:
         t = self.config.train
         tokens_per_s = t.batch_size * t.seq_len / step_time
@@ -323,6 +393,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean next-token loss (nats, no MTP) over the train.eval_batches held-out batches."""
+        self._check_open()
         params, router = self.state.params, self.state.router
         batches = [self._to_device(b) for b in self._dataset("eval")]
         if self._eval_step is None:
@@ -342,16 +413,22 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current step now and wait until it is on disk."""
+        self._check_open()
         self.checkpointer.save(self.step, self.state, self.train_data.get_state(), force=True)
         self.checkpointer.wait()
 
     def close(self) -> None:
-        """Finish pending saves and close the metrics files; safe to call twice."""
-        if self.logger is not None:
-            self.logger.close()
-        self.checkpointer.close()
-        if self.lock is not None:
-            self.lock.release()
+        """Finish pending saves and close the metrics files; safe to call twice.
+
+        SIGTERM/SIGINT meanwhile are noted, not fatal: the last checkpoint completes first.
+        """
+        self._closed = True
+        with self.stop.installed():
+            if self.logger is not None:
+                self.logger.close()
+            self.checkpointer.close()
+            if self.lock is not None:
+                self.lock.release()
 
     def __enter__(self) -> Trainer:
         return self
@@ -411,9 +488,12 @@ def train(config: Config, devices: Sequence[Any] | None = None) -> int:
     """Run the job described by `config` to train.steps; returns the process exit status.
 
     0 when done or stopped by SIGTERM/SIGINT (saved), 1 when train.max_bad_steps stopped it.
-    Signal handlers are installed once the run is set up (compiling included) and restored on return.
+    Signal handlers are in place from the start (set-up, compiling and the last save included)
+    and restored on return; a signal before the first step stops the job with nothing trained,
+    and a second SIGINT exits at once (status 130).
     """
-    with Trainer(config, devices) as trainer, trainer.stop.installed():
+    stop = StopSignal(exit_on_second_interrupt=True)
+    with stop.installed(), Trainer(config, devices, stop=stop) as trainer:
         if trainer.finished:
             return 0  # the Trainer said so
         trainer.run()
