@@ -42,7 +42,9 @@ import jax
 import numpy as np
 
 from maxmoe import runtime
-from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
+from maxmoe.analysis.assumptions import Assumptions, assume
+from maxmoe.analysis.assumptions import table as assumption_table
+from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape, replan
 from maxmoe.analysis.planner import SYSTEMS
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.config import SIZED_MESH_AXES, Config, ConfigError, UserError
@@ -252,10 +254,14 @@ def measured_text(p: dict) -> str:
 
 
 def format_predictions(results: list[dict]) -> str:
-    """The planner's table: one line per shape that has a prediction (maxmoe.analysis.planner)."""
+    """The planner's table: one line per shape that has a prediction (maxmoe.analysis.planner).
+
+    TFLOP/s per GPU counts model FLOPs, exec the executed ones (recompute included); MFU is
+    against the peak of each GEMM class's precision; exposed = the step's non-compute share.
+    """
     lines = [
         f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'system':<6} {'step s':>7} {'tokens/s':>10} "
-        f"{'TFLOP/s/GPU':>11} {'MFU':>5} {'x4 replicas: retention':>22}  bound"
+        f"{'TFLOP/s/GPU':>11} {'exec':>5} {'MFU':>5} {'exposed':>7} {'x4 retention':>12}  bound"
     ]
     for i, r in enumerate(results, 1):
         p = r.get("prediction")
@@ -264,8 +270,11 @@ def format_predictions(results: list[dict]) -> str:
         retention = next(v for k, v in p.items() if k.startswith("retention_at_"))
         lines.append(
             f"{i:>2} {r['name']:<26} {p['system']:<6} {p['step_s']:7.2f} {p['tokens_per_s']:10.0f} "
-            f"{p['tflops_per_gpu']:11.0f} {p['mfu']:5.2f} {retention:22.4f}  {p['bound']}"
+            f"{p['tflops_per_gpu']:11.0f} {p['executed_tflops_per_gpu']:5.0f} {p['mfu']:5.2f} "
+            f"{p['exposed_fraction']:7.1%} {retention:12.4f}  {p['bound']}"
         )
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in p["contributions"].items() if v)
+        lines.append(f"{'':>3}step parts (s): {parts}")
     return "\n".join(lines)
 
 
@@ -321,12 +330,14 @@ def run_shape(
     warmup: int,
     a2a: str,
     system: str | None = None,
+    assumptions=None,
 ) -> dict:
     """One shape's result: the dry-run description or the timing, or {"error": ...} if it failed."""
     shaped = with_mesh(config, sizes)
     try:
         if dry_run:
-            return {"mesh": sizes, "name": mesh_name(sizes), **dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system)}
+            described = dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system, assumptions=assumptions)
+            return {"mesh": sizes, "name": mesh_name(sizes), **described}
         layout = build_layout(shaped, list(mesh.devices.flat))
         return {
             "mesh": sizes,
@@ -352,6 +363,7 @@ def sweep(
     progress: bool = True,
     pipelines: tuple[int, ...] = (1,),
     system: str | None = None,
+    assumptions=None,
 ) -> dict:
     """Run the sweep; returns {"results": ranked, "skipped": [...], ...}.
 
@@ -385,7 +397,7 @@ def sweep(
     try:
         for done, (sizes, mesh) in enumerate(kept):
             display.update(done, f"{done}/{len(kept)}  compiling {mesh_name(sizes)}")
-            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a, system))
+            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a, system, assumptions))
         display.update(len(kept), f"{len(kept)}/{len(kept)}  done")
     finally:
         display.close()
@@ -397,12 +409,38 @@ def sweep(
         "hbm_gb": hbm_gb,
         "a2a_model": a2a if dry_run else "native",
         "system": system if dry_run else None,
+        "assumptions": assumption_table(assumptions or Assumptions()) if dry_run and system else None,
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,
         "method": METHOD if dry_run else None,
         "results": rank(results, dry_run),
         "skipped": [{"mesh": s, "name": mesh_name(s), "reason": why} for s, why in skipped],
     }
+
+
+def replan_main(args, config: Config, system: str | None, assumptions) -> int:
+    """`--replan IN.json`: every stored dry-run result predicted again under `system` and `assumptions`."""
+    if not system:
+        raise UserError("--replan needs --system (or a config whose xla.profile is a system)")
+    try:
+        report = json.loads(Path(args.replan).read_text())
+        results = [r for r in report["results"] if "error" not in r]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--replan {args.replan}: not a sweep JSON ({e})") from None
+    if any("planner_rows" not in r for r in results):
+        raise UserError(
+            f"--replan {args.replan}: written before dry runs stored their collectives; run the dry run again"
+        )
+    for r in results:
+        r["prediction"] = replan(r, with_mesh(config, r["mesh"]), system, assumptions)
+        r["fits"] = r["memory"]["total"] <= args.hbm_gb * GB
+    report.update(system=system, hbm_gb=args.hbm_gb, assumptions=assumption_table(assumptions))
+    report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:])
+    print(format_predictions(report["results"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0
 
 
 @main_guard
@@ -418,7 +456,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="bar charts per shape (needs matplotlib)")
-    parser.add_argument("--hbm-gb", type=float, default=141.0, help="per-device memory for `fits` (GB, 1e9 B)")
+    parser.add_argument(
+        "--hbm-gb",
+        type=float,
+        default=None,
+        help="per-device memory for `fits` (GB, 1e9 B; default: the --system's, else 141)",
+    )
+    parser.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="dry run: set one planner assumption (names: maxmoe.analysis.assumptions; repeatable)",
+    )
+    parser.add_argument(
+        "--replan",
+        metavar="IN.json",
+        help="predict again from a dry run's JSON (its stored collectives and memory) under --system and --assume, "
+        "without compiling; with --config the same config",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per shape (real devices)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (real devices)")
     parser.add_argument(
@@ -439,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--config FILE is required")
     if args.devices is not None and args.devices <= 0:
         raise UserError(f"--devices {args.devices}: expected a positive integer")
-    if args.hbm_gb <= 0 or args.steps <= 0 or args.warmup < 0:
+    if (args.hbm_gb is not None and args.hbm_gb <= 0) or args.steps <= 0 or args.warmup < 0:
         raise UserError("--hbm-gb and --steps must be positive, --warmup non-negative")
     meshes = [parse_mesh(m) for m in args.mesh] or None
     try:
@@ -452,6 +508,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices is None and meshes:
         args.devices = math.prod(meshes[0].values())
     system = args.system or (config.xla.profile if config.xla.profile in SYSTEMS else None)
+    assumptions = Assumptions()
+    for text in args.assume:
+        try:
+            assumptions = assume(assumptions, text)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if args.hbm_gb is None:
+        args.hbm_gb = SYSTEMS[system].hbm_gb if system else 141.0
+    if args.replan:
+        return replan_main(args, config, system, assumptions)
     start = time.perf_counter()
     report = sweep(
         config,
@@ -465,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         pipelines=pipelines,
         system=system,
+        assumptions=assumptions,
     )
     report["wall_s"] = time.perf_counter() - start
     report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
