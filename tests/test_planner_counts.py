@@ -273,3 +273,33 @@ def test_replan_of_a_bad_file_is_one_line_exit_2(tmp_path, capsys):
     assert sweep.main(["--config", tiny, "--replan", str(bad), "--assume", "moon=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("maxmoe: error:") for line in err)
+
+
+def test_brace_count_ignores_string_literals():
+    from maxmoe.analysis.hlo_deps import _brace_net
+
+    line = '%1 = stablehlo.custom_call @k(%0) {backend_config = "{{{\\"}", module = "}"} : f32'
+    assert _brace_net(line) == 0
+    assert _brace_net("%2 = stablehlo.while(%x) {") == 1
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+    import jax
+
+    return jax.devices()[:8]
+
+
+@pytest.mark.parametrize("overlap, chains", [("none", False), ("batch_split", True)])
+def test_batch_split_chains_are_read_from_the_cuda_lowering(eight_devices, overlap, chains):
+    """The planner's credit for the all-to-all's overlap: a MoE layer on the GPU kernel backend
+    (Mosaic GPU's grouped GEMM, a custom call holding a serialised kernel) lowers to two
+    independent chains under batch_split, one chain without it."""
+    from maxmoe.analysis.lowering import a2a_independent_chains
+
+    config = load_config(
+        [str(ROOT / "configs" / "tiny.yaml")],
+        ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16", "model.compute_dtype=bfloat16"]
+        + ["model.hidden_size=128", "model.moe_mlp_dim=64", f"moe.overlap={overlap}"],
+    )
+    assert a2a_independent_chains(config, eight_devices) is chains

@@ -46,15 +46,16 @@ def moe_layer_lowered_text(config: Config, devices: list) -> str:
     """One MoE layer of `config` (its dims, mesh and dispatch), forward and backward, lowered
     for CUDA: the program in which `a2a_independent_chains` looks for batch_split's chains."""
     import flax.linen as nn
-    import jax.numpy as jnp
 
     from maxmoe.model.moe import MoE
+    from maxmoe.model.transformer import COMPUTE_DTYPES
 
     layout = build_layout(config, devices, platform="cuda")
-    module = MoE(config.model, jnp.float32, layout)
+    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+    module = MoE(config.model, dtype, layout)
     t = config.train
     rows = t.batch_size // t.grad_accum
-    x = jax.ShapeDtypeStruct((rows, t.seq_len, config.model.hidden_size), jnp.float32)
+    x = jax.ShapeDtypeStruct((rows, t.seq_len, config.model.hidden_size), dtype)
     variables = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), x))
 
     def forward_backward(params, router, x, dy):
@@ -76,5 +77,14 @@ def a2a_independent_chains(config: Config, devices: list) -> bool:
         return False
     from maxmoe.analysis.hlo_deps import independent_chains, marker_dependencies
 
-    chains, coupled = independent_chains(marker_dependencies(moe_layer_lowered_text(config, devices)))
+    text = moe_layer_lowered_text(config, devices)
+    chains, coupled = independent_chains(marker_dependencies(text, GROUPED_GEMM_MARKERS))
     return len(chains) >= 2 and not coupled
+
+
+# The dependence markers of a CUDA-lowered MoE layer: its ragged all-to-alls and its grouped GEMMs,
+# XLA's ragged_dot or a GPU kernel backend's custom call (maxmoe.kernels.grouped_matmul).
+GROUPED_GEMM_MARKERS = {
+    "ragged_all_to_all": r"@ragged_all_to_all\b",
+    "ragged_dot": r"(\bchlo\.ragged_dot\b|custom_call @mosaic_gpu\w*)",
+}
