@@ -30,7 +30,6 @@ otherwise), --json, --plot (matplotlib).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -44,13 +43,14 @@ import numpy as np
 from maxmoe import runtime
 from maxmoe.analysis.assumptions import Assumptions, assume
 from maxmoe.analysis.assumptions import table as assumption_table
-from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape, replan
+from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.analysis.planner import SYSTEMS
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.config import SIZED_MESH_AXES, Config, ConfigError, UserError
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
 from maxmoe.parallel.layout import Layout, build_layout
+from maxmoe.sweep_plan import format_predictions, rank, replan_main, with_mesh, write_winner
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
@@ -95,10 +95,6 @@ def factorisations(n: int, pipelines: tuple[int, ...] = (1,)) -> list[dict[str, 
                         {"pipeline": pipeline, "data": stage // (tensor * expert), "expert": expert, "tensor": tensor}
                     )
     return out
-
-
-def with_mesh(config: Config, sizes: dict[str, int]) -> Config:
-    return config.replace(mesh=dataclasses.replace(config.mesh, **sizes))
 
 
 def mesh_name(sizes: dict[str, int]) -> str:
@@ -187,15 +183,6 @@ def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict
 # Output
 
 
-def rank(results: list[dict], dry_run: bool) -> list[dict]:
-    ok = [r for r in results if "error" not in r]
-    if dry_run:
-        ok.sort(key=lambda r: (not r["fits"], r["cross_domain_total"], r["collective_total"], r["memory"]["total"]))
-    else:
-        ok.sort(key=lambda r: -r["tokens_per_s"])
-    return ok + [r for r in results if "error" in r]
-
-
 def format_table(results: list[dict], dry_run: bool) -> str:
     ok = [r for r in results if "error" not in r]
     big = dry_run and ok and max(max(r["memory"]["total"], r["collective_total"]) for r in ok) >= GB
@@ -251,31 +238,6 @@ def measured_text(p: dict) -> str:
         f"{p['bubble_measured']:.3f} (measured: {p['dot_flops'] / 1e12:.4g} dot TFLOP per device "
         f"against {p['dot_flops_ideal'] / 1e12:.4g} at {p['baseline']})"
     )
-
-
-def format_predictions(results: list[dict]) -> str:
-    """The planner's table: one line per shape that has a prediction (maxmoe.analysis.planner).
-
-    TFLOP/s per GPU counts model FLOPs, exec the executed ones (recompute included); MFU is
-    against the peak of each GEMM class's precision; exposed = the step's non-compute share.
-    """
-    lines = [
-        f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'system':<6} {'step s':>7} {'tokens/s':>10} "
-        f"{'TFLOP/s/GPU':>11} {'exec':>5} {'MFU':>5} {'exposed':>7} {'x4 retention':>12}  bound"
-    ]
-    for i, r in enumerate(results, 1):
-        p = r.get("prediction")
-        if not p:
-            continue
-        retention = next(v for k, v in p.items() if k.startswith("retention_at_"))
-        lines.append(
-            f"{i:>2} {r['name']:<26} {p['system']:<6} {p['step_s']:7.2f} {p['tokens_per_s']:10.0f} "
-            f"{p['tflops_per_gpu']:11.0f} {p['executed_tflops_per_gpu']:5.0f} {p['mfu']:5.2f} "
-            f"{p['exposed_fraction']:7.1%} {retention:12.4f}  {p['bound']}"
-        )
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in p["contributions"].items() if v)
-        lines.append(f"{'':>3}step parts (s): {parts}")
-    return "\n".join(lines)
 
 
 def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | None:
@@ -418,31 +380,6 @@ def sweep(
     }
 
 
-def replan_main(args, config: Config, system: str | None, assumptions) -> int:
-    """`--replan IN.json`: every stored dry-run result predicted again under `system` and `assumptions`."""
-    if not system:
-        raise UserError("--replan needs --system (or a config whose xla.profile is a system)")
-    try:
-        report = json.loads(Path(args.replan).read_text())
-        results = [r for r in report["results"] if "error" not in r]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--replan {args.replan}: not a sweep JSON ({e})") from None
-    if any("planner_rows" not in r for r in results):
-        raise UserError(
-            f"--replan {args.replan}: written before dry runs stored their collectives; run the dry run again"
-        )
-    for r in results:
-        r["prediction"] = replan(r, with_mesh(config, r["mesh"]), system, assumptions)
-        r["fits"] = r["memory"]["total"] <= args.hbm_gb * GB
-    report.update(system=system, hbm_gb=args.hbm_gb, assumptions=assumption_table(assumptions))
-    report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:])
-    print(format_predictions(report["results"]))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-    return 0
-
-
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("python -m maxmoe.sweep", __doc__.splitlines()[0])
@@ -488,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(SYSTEMS),
         default=None,
         help="dry run: predict step time and TFLOP/s per GPU on this system (default: the config's xla.profile)",
+    )
+    parser.add_argument(
+        "--write-config", metavar="OUT.yaml", help="write the best-ranked shape that fits as a full config"
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -564,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    if args.write_config:
+        print(f"wrote {write_winner(config, report['results'], args.write_config)} to {args.write_config}")
     if args.plot:
         why = plot(report["results"], args.plot, args.dry_run, args.hbm_gb)
         if why:

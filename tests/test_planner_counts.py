@@ -303,3 +303,25 @@ def test_batch_split_chains_are_read_from_the_cuda_lowering(eight_devices, overl
         + ["model.hidden_size=128", "model.moe_mlp_dim=64", f"moe.overlap={overlap}"],
     )
     assert a2a_independent_chains(config, eight_devices) is chains
+
+
+def test_replan_ranks_by_predicted_throughput_and_writes_the_winner(tmp_path, capsys):
+    # Two stored shapes: one moves 4x the all-to-all bytes (slower), one does not fit GB300's 279 GB.
+    slow = stored_result(100.0)
+    slow["planner_rows"] = [
+        {**r, "bytes": 4 * r["bytes"], "bytes_per_run": 4 * r["bytes_per_run"]} for r in slow["planner_rows"]
+    ]
+    slow.update(mesh={"pipeline": 1, "data": 2, "expert": 4, "tensor": 1}, name="data=2,expert=4,tensor=1")
+    big = {**stored_result(300.0), "mesh": {"pipeline": 1, "data": 8, "expert": 1, "tensor": 1}, "name": "data=8"}
+    stored = tmp_path / "in.json"
+    stored.write_text(json.dumps({"results": [slow, big, stored_result(100.0)]}))
+    out, written = tmp_path / "out.json", tmp_path / "best.yaml"
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    args = ["--config", tiny, "--replan", str(stored), "--system", "gb300", "--json", str(out)]
+    assert sweep.main(args + ["--write-config", str(written)]) == 0
+    capsys.readouterr()
+    names = [r["name"] for r in json.loads(out.read_text())["results"]]
+    assert names == ["data=1,expert=8,tensor=1", "data=2,expert=4,tensor=1", "data=8"]
+    best = load_config([str(written)])
+    assert (best.mesh.data, best.mesh.expert, best.mesh.tensor) == (1, 8, 1)
+    assert best.model == load_config([tiny]).model
