@@ -24,6 +24,11 @@ the ragged all-to-all as a stand-in with the native collective's buffers and byt
 
 Without --dry-run: the same shapes on the real devices, timed over --steps steps after
 --warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.flops.peak_tflops.
+--assume NAME=VALUE sets one planner constant (maxmoe.analysis.assumptions: names, defaults,
+sources; recorded in the JSON); --replan IN.json predicts a stored dry run again under them
+without compiling; --write-config OUT.yaml writes the best-ranked shape that fits (ranked by
+predicted TFLOP/s per GPU where there are predictions). `fits` is judged by --hbm-gb, default
+the --system's memory.
 Output: a ranked table on stdout (progress on stderr: a live bar on a terminal, plain lines
 otherwise), --json, --plot (matplotlib).
 """

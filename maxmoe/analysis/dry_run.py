@@ -46,10 +46,16 @@ per device:
               maxmoe.analysis.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
               free, the end stages' extra work only on those stages.
   prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
-              GPU and bound from these FLOPs (those of the FP8 GEMMs apart: step_workload),
-              collectives (as the GPU moves them, by tier and by whether they run once per
-              step) and memory, and the per-GPU retention if the replicas (cross-domain
-              groups) grew 4-fold.
+              GPU, MFU and bound (step_workload): model FLOPs for throughput, executed FLOPs
+              (model.remat's recompute added) for time, each split into the GEMM classes the
+              recipe runs in FP8 on the system and the rest; the collectives as the GPU moves
+              them, by tier, pass and whether they sit in a loop, their launches counted after
+              the system's xla_flags combine thresholds; memory; whether the expert all-to-all
+              has independent chains to hide under (moe.overlap=batch_split, read from one MoE
+              layer lowered for CUDA: maxmoe.analysis.lowering.a2a_independent_chains); and the
+              per-GPU retention if the replicas (cross-domain groups) grew 4-fold. The rows the
+              planner reads are stored (`planner_rows`) so `sweep --replan` predicts again
+              under other assumptions without compiling.
 The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
 whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
 its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
