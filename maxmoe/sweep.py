@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hbm_gb is None:
         args.hbm_gb = SYSTEMS[system].hbm_gb if system else 141.0
     if args.replan:
-        return replan_main(args, config, system, assumptions)
+        return replan_main(args, config, system, assumptions, sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
     report = sweep(
         config,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from maxmoe.analysis.assumptions import table as assumption_table
@@ -70,7 +69,7 @@ def write_winner(config: Config, results: list[dict], path: str) -> str:
     return winner["name"]
 
 
-def replan_main(args, config: Config, system: str | None, assumptions) -> int:
+def replan_main(args, config: Config, system: str | None, assumptions, argv: list[str]) -> int:
     """`--replan IN.json`: every stored dry-run result predicted again under `system` and `assumptions`."""
     if not system:
         raise UserError("--replan needs --system (or a config whose xla.profile is a system)")
@@ -87,7 +86,7 @@ def replan_main(args, config: Config, system: str | None, assumptions) -> int:
         r["prediction"] = replan(r, with_mesh(config, r["mesh"]), system, assumptions)
         r["fits"] = r["memory"]["total"] <= args.hbm_gb * GB
     report.update(system=system, hbm_gb=args.hbm_gb, assumptions=assumption_table(assumptions))
-    report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:])
+    report["command"] = "python -m maxmoe.sweep " + " ".join(argv)
     report["results"] = rank(report["results"], dry_run=True)
     print(format_predictions(report["results"]))
     if args.json:
