@@ -41,7 +41,7 @@ def format_predictions(results: list[dict]) -> str:
     """
     lines = [
         f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'system':<6} {'step s':>7} {'tokens/s':>10} "
-        f"{'TFLOP/s/GPU':>11} {'exec':>5} {'MFU':>5} {'exposed':>7} {'x4 retention':>12}  bound"
+        f"{'TFLOP/s/GPU':>11} {'exec':>5} {'MFU':>5} {'exposed':>7} {'mem GB':>7} {'fits':>4} {'x4 retention':>12}  bound"
     ]
     for i, r in enumerate(results, 1):
         p = r.get("prediction")
@@ -51,7 +51,8 @@ def format_predictions(results: list[dict]) -> str:
         lines.append(
             f"{i:>2} {r['name']:<26} {p['system']:<6} {p['step_s']:7.2f} {p['tokens_per_s']:10.0f} "
             f"{p['tflops_per_gpu']:11.0f} {p['executed_tflops_per_gpu']:5.0f} {p['mfu']:5.2f} "
-            f"{p['exposed_fraction']:7.1%} {retention:12.4f}  {p['bound']}"
+            f"{p['exposed_fraction']:7.1%} {r['memory']['total'] / GB:7.1f} {'yes' if r['fits'] else 'no':>4} "
+            f"{retention:12.4f}  {p['bound']}"
         )
         parts = ", ".join(f"{k} {v:.2f}" for k, v in p["contributions"].items() if v)
         lines.append(f"{'':>3}step parts (s): {parts}")

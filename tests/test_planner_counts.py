@@ -325,3 +325,13 @@ def test_replan_ranks_by_predicted_throughput_and_writes_the_winner(tmp_path, ca
     best = load_config([str(written)])
     assert (best.mesh.data, best.mesh.expert, best.mesh.tensor) == (1, 8, 1)
     assert best.model == load_config([tiny]).model
+
+
+def test_the_planners_table_shows_throughput_memory_and_bound(tmp_path, capsys):
+    stored = tmp_path / "in.json"
+    stored.write_text(json.dumps({"results": [stored_result(200.0)]}))
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    assert sweep.main(["--config", tiny, "--replan", str(stored), "--system", "gb300"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "TFLOP/s/GPU" in lines[0] and "mem GB" in lines[0] and lines[0].endswith("bound")
+    assert "200.0  yes" in lines[1] and lines[1].endswith("expert all-to-all")
