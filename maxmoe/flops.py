@@ -23,16 +23,13 @@ the main model and in each MTP depth; the router, the attention core, the head a
 
 from __future__ import annotations
 
+import dataclasses
+
+from maxmoe.analysis.assumptions import SYSTEMS
 from maxmoe.config import ModelConfig
 
-# Dense bf16 peak TFLOP/s per device (datasheet, without sparsity).
-PEAK_TFLOPS_BF16 = {
-    "h100": 989.0,
-    "h200": 989.0,
-    "b200": 2250.0,
-    "gb200": 2500.0,
-    "gb300": 2500.0,
-}
+# Dense bf16 peak TFLOP/s per device (datasheet, without sparsity): the planner's system table.
+PEAK_TFLOPS_BF16 = {name: s.peak_bf16_tflops for name, s in SYSTEMS.items()}
 
 
 def peak_tflops(device_kind: str) -> float | None:
@@ -109,6 +106,91 @@ def fp8_flops_per_token(m: ModelConfig) -> float:
     return 6.0 * (m.first_k_dense * (attn + 3 * m.hidden_size * m.mlp_dim) + moe_layers * (attn + experts))
 
 
+GEMM_CLASSES = ("attention", "attention_core", "router", "dense_mlp", "shared_experts", "routed_experts", "head")
+
+
+def flops_per_token_by_class(m: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Training model FLOPs per token by GEMM class (main model and MTP depths together).
+
+    attention: MLA's projections; attention_core: QK^T and PV (causal half); router; dense_mlp:
+    the first_k_dense MLPs; shared_experts and routed_experts (the activated ones); head: the
+    output head (once per MTP depth again) and MTP's [2D, D] projections. Sums to
+    flops_per_token.
+    """
+    d = m.hidden_size
+    layers = m.num_layers + m.mtp_num_layers  # every attention block
+    moe_layers = m.num_layers - m.first_k_dense + m.mtp_num_layers
+    expert = 6.0 * 3 * d * m.moe_mlp_dim
+    return {
+        "attention": 6.0 * _attention_params(m) * layers,
+        "attention_core": 3.0
+        * seq_len
+        * m.num_heads
+        * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        * layers,
+        "router": 6.0 * d * m.num_experts * moe_layers,
+        "dense_mlp": 6.0 * 3 * d * m.mlp_dim * m.first_k_dense,
+        "shared_experts": expert * m.num_shared_experts * moe_layers,
+        "routed_experts": expert * m.experts_per_token * moe_layers,
+        "head": 6.0 * d * m.vocab_size * (1 + m.mtp_num_layers) + 6.0 * 2 * d * d * m.mtp_num_layers,
+    }
+
+
+# The GEMM classes a remat policy (maxmoe.model.transformer.REMAT_POLICIES) runs forward again in
+# the backward pass of the scanned blocks (the dense stack and the MoE stack; MTP's block and
+# the head are not rematerialised). save_matmuls keeps dots without batch dims (projections,
+# router, dense and shared MLPs): the attention core and the grouped expert GEMMs run again.
+# save_moe keeps the expert gate/up and the attention output: the attention's backward needs
+# its inner values again (projections, core), and the router and shared experts theirs.
+# save_dots_comm keeps both lists: the attention core runs again.
+# Checked against compiled programs (dry runs, 671B on 256 GB300s, mxfp8): full's dot FLOPs are
+# 1.306 x none's, this table says 1.313 (the head and MTP are not rematerialised either way);
+# save_matmuls' program ran as many dot FLOPs as full's (1.305 x), not the 1.20 x this table
+# gives it there, so its entry is a lower bound until that is explained.
+RECOMPUTED_CLASSES = {
+    "none": (),
+    "full": ("attention", "attention_core", "router", "dense_mlp", "shared_experts", "routed_experts"),
+    "save_comm": ("attention", "attention_core", "router", "dense_mlp", "shared_experts", "routed_experts"),
+    "save_matmuls": ("attention_core", "routed_experts"),
+    "save_moe": ("attention", "attention_core", "router", "shared_experts"),
+    "save_dots_comm": ("attention_core",),
+}
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
+    """FLOPs per token that `model.remat` runs again (a forward pass: a third of the training
+    FLOPs) of each GEMM class, in the scanned blocks only (the main model's layers, not MTP)."""
+    classes = RECOMPUTED_CLASSES.get(m.remat)
+    if classes is None:
+        raise ValueError(f"model.remat={m.remat!r}: no recompute table entry")
+    main = dataclasses.replace(m, mtp_num_layers=0)
+    by_class = flops_per_token_by_class(main, seq_len)
+    return {k: (by_class[k] / 3.0 if k in classes else 0.0) for k in GEMM_CLASSES if k != "head"}
+
+
+# The GEMM classes each recipe runs as FP8 GEMMs on a GPU kernel backend, by architecture
+# (maxmoe.kernels.fp8_matmul's table): tensorwise's dense projections are fp8 dots, its routed
+# experts go to the bf16 grouped kernel (fp8 values given as bf16); mxfp8's dense projections
+# are jax.nn.scaled_matmul, which lowers to an MXFP8 GEMM on Blackwell only (elsewhere the
+# dequantised values in bf16), and its routed experts run the bf16 grouped kernel; blockwise
+# runs every class through fp8 dots (its grouped GEMMs as maxmoe's Triton kernels).
+FP8_GEMM_CLASSES = {
+    ("none", "hopper"): (),
+    ("none", "blackwell"): (),
+    ("tensorwise", "hopper"): ("attention", "dense_mlp", "shared_experts"),
+    ("tensorwise", "blackwell"): ("attention", "dense_mlp", "shared_experts"),
+    ("mxfp8", "hopper"): (),
+    ("mxfp8", "blackwell"): ("attention", "dense_mlp", "shared_experts"),
+    ("blockwise", "hopper"): ("attention", "dense_mlp", "shared_experts", "routed_experts"),
+    ("blockwise", "blackwell"): ("attention", "dense_mlp", "shared_experts", "routed_experts"),
+}
+
+
+def fp8_gemm_classes(recipe: str, arch: str) -> tuple[str, ...]:
+    """The GEMM classes (flops_per_token_by_class's) `model.fp8=recipe` runs in FP8 on `arch`."""
+    return FP8_GEMM_CLASSES[(recipe, arch)]
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training model FLOPs per token (see the module docstring), MTP included."""
     part = flops_per_token_by_part(m, seq_len)
@@ -129,5 +211,8 @@ __all__ = [
     "flops_per_token",
     "flops_per_token_by_part",
     "fp8_flops_per_token",
+    "flops_per_token_by_class",
+    "fp8_gemm_classes",
+    "recompute_flops_per_token",
     "mfu",
 ]

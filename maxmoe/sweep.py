@@ -24,13 +24,17 @@ the ragged all-to-all as a stand-in with the native collective's buffers and byt
 
 Without --dry-run: the same shapes on the real devices, timed over --steps steps after
 --warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.flops.peak_tflops.
+--assume NAME=VALUE sets one planner constant (maxmoe.analysis.assumptions: names, defaults,
+sources; recorded in the JSON); --replan IN.json predicts a stored dry run again under them
+without compiling; --write-config OUT.yaml writes the best-ranked shape that fits (ranked by
+predicted TFLOP/s per GPU where there are predictions). `fits` is judged by --hbm-gb, default
+the --system's memory.
 Output: a ranked table on stdout (progress on stderr: a live bar on a terminal, plain lines
 otherwise), --json, --plot (matplotlib).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -42,6 +46,8 @@ import jax
 import numpy as np
 
 from maxmoe import runtime
+from maxmoe.analysis.assumptions import Assumptions, assume
+from maxmoe.analysis.assumptions import table as assumption_table
 from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.analysis.planner import SYSTEMS
 from maxmoe.cli import config_from_args, main_guard, make_parser
@@ -49,6 +55,7 @@ from maxmoe.config import SIZED_MESH_AXES, Config, ConfigError, UserError
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
 from maxmoe.parallel.layout import Layout, build_layout
+from maxmoe.sweep_plan import format_predictions, rank, replan_main, with_mesh, write_winner
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
@@ -93,10 +100,6 @@ def factorisations(n: int, pipelines: tuple[int, ...] = (1,)) -> list[dict[str, 
                         {"pipeline": pipeline, "data": stage // (tensor * expert), "expert": expert, "tensor": tensor}
                     )
     return out
-
-
-def with_mesh(config: Config, sizes: dict[str, int]) -> Config:
-    return config.replace(mesh=dataclasses.replace(config.mesh, **sizes))
 
 
 def mesh_name(sizes: dict[str, int]) -> str:
@@ -185,15 +188,6 @@ def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict
 # Output
 
 
-def rank(results: list[dict], dry_run: bool) -> list[dict]:
-    ok = [r for r in results if "error" not in r]
-    if dry_run:
-        ok.sort(key=lambda r: (not r["fits"], r["cross_domain_total"], r["collective_total"], r["memory"]["total"]))
-    else:
-        ok.sort(key=lambda r: -r["tokens_per_s"])
-    return ok + [r for r in results if "error" in r]
-
-
 def format_table(results: list[dict], dry_run: bool) -> str:
     ok = [r for r in results if "error" not in r]
     big = dry_run and ok and max(max(r["memory"]["total"], r["collective_total"]) for r in ok) >= GB
@@ -249,24 +243,6 @@ def measured_text(p: dict) -> str:
         f"{p['bubble_measured']:.3f} (measured: {p['dot_flops'] / 1e12:.4g} dot TFLOP per device "
         f"against {p['dot_flops_ideal'] / 1e12:.4g} at {p['baseline']})"
     )
-
-
-def format_predictions(results: list[dict]) -> str:
-    """The planner's table: one line per shape that has a prediction (maxmoe.analysis.planner)."""
-    lines = [
-        f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'system':<6} {'step s':>7} {'tokens/s':>10} "
-        f"{'TFLOP/s/GPU':>11} {'MFU':>5} {'x4 replicas: retention':>22}  bound"
-    ]
-    for i, r in enumerate(results, 1):
-        p = r.get("prediction")
-        if not p:
-            continue
-        retention = next(v for k, v in p.items() if k.startswith("retention_at_"))
-        lines.append(
-            f"{i:>2} {r['name']:<26} {p['system']:<6} {p['step_s']:7.2f} {p['tokens_per_s']:10.0f} "
-            f"{p['tflops_per_gpu']:11.0f} {p['mfu']:5.2f} {retention:22.4f}  {p['bound']}"
-        )
-    return "\n".join(lines)
 
 
 def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | None:
@@ -335,12 +311,14 @@ def run_shape(
     warmup: int,
     a2a: str,
     system: str | None = None,
+    assumptions=None,
 ) -> dict:
     """One shape's result: the dry-run description or the timing, or {"error": ...} if it failed."""
     shaped = with_mesh(config, sizes)
     try:
         if dry_run:
-            return {"mesh": sizes, "name": mesh_name(sizes), **dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system)}
+            described = dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system, assumptions=assumptions)
+            return {"mesh": sizes, "name": mesh_name(sizes), **described}
         layout = build_layout(shaped, list(mesh.devices.flat))
         return {
             "mesh": sizes,
@@ -366,6 +344,7 @@ def sweep(
     progress: bool = True,
     pipelines: tuple[int, ...] = (1,),
     system: str | None = None,
+    assumptions=None,
 ) -> dict:
     """Run the sweep; returns {"results": ranked, "skipped": [...], ...}.
 
@@ -399,7 +378,7 @@ def sweep(
     try:
         for done, (sizes, mesh) in enumerate(kept):
             display.update(done, f"{done}/{len(kept)}  compiling {mesh_name(sizes)}")
-            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a, system))
+            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a, system, assumptions))
         display.update(len(kept), f"{len(kept)}/{len(kept)}  done")
     finally:
         display.close()
@@ -411,6 +390,7 @@ def sweep(
         "hbm_gb": hbm_gb,
         "a2a_model": a2a if dry_run else "native",
         "system": system if dry_run else None,
+        "assumptions": assumption_table(assumptions or Assumptions()) if dry_run and system else None,
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,
         "method": METHOD if dry_run else None,
@@ -432,7 +412,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="bar charts per shape (needs matplotlib)")
-    parser.add_argument("--hbm-gb", type=float, default=141.0, help="per-device memory for `fits` (GB, 1e9 B)")
+    parser.add_argument(
+        "--hbm-gb",
+        type=float,
+        default=None,
+        help="per-device memory for `fits` (GB, 1e9 B; default: the --system's, else 141)",
+    )
+    parser.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="dry run: set one planner assumption (names: maxmoe.analysis.assumptions; repeatable)",
+    )
+    parser.add_argument(
+        "--replan",
+        metavar="IN.json",
+        help="predict again from a dry run's JSON (its stored collectives and memory) under --system and --assume, "
+        "without compiling; with --config the same config",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per shape (real devices)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (real devices)")
     parser.add_argument(
@@ -447,13 +445,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="dry run: predict step time and TFLOP/s per GPU on this system (default: the config's xla.profile)",
     )
+    parser.add_argument(
+        "--write-config", metavar="OUT.yaml", help="write the best-ranked shape that fits as a full config"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if not args.config:
         raise UserError("--config FILE is required")
     if args.devices is not None and args.devices <= 0:
         raise UserError(f"--devices {args.devices}: expected a positive integer")
-    if args.hbm_gb <= 0 or args.steps <= 0 or args.warmup < 0:
+    if (args.hbm_gb is not None and args.hbm_gb <= 0) or args.steps <= 0 or args.warmup < 0:
         raise UserError("--hbm-gb and --steps must be positive, --warmup non-negative")
     meshes = [parse_mesh(m) for m in args.mesh] or None
     try:
@@ -466,6 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices is None and meshes:
         args.devices = math.prod(meshes[0].values())
     system = args.system or (config.xla.profile if config.xla.profile in SYSTEMS else None)
+    assumptions = Assumptions()
+    for text in args.assume:
+        try:
+            assumptions = assume(assumptions, text)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if args.hbm_gb is None:
+        args.hbm_gb = SYSTEMS[system].hbm_gb if system else 141.0
+    if args.replan:
+        return replan_main(args, config, system, assumptions, sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
     report = sweep(
         config,
@@ -479,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         pipelines=pipelines,
         system=system,
+        assumptions=assumptions,
     )
     report["wall_s"] = time.perf_counter() - start
     report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -511,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    if args.write_config:
+        print(f"wrote {write_winner(config, report['results'], args.write_config)} to {args.write_config}")
     if args.plot:
         why = plot(report["results"], args.plot, args.dry_run, args.hbm_gb)
         if why:

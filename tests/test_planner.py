@@ -13,6 +13,7 @@ import pytest
 from maxmoe.analysis.dry_run import as_on_gpu, pipeline_report, step_workload
 from maxmoe.analysis.planner import (
     GB,
+    KINDS,
     SYSTEMS,
     Assumptions,
     Collective,
@@ -32,10 +33,9 @@ from maxmoe.flops import flops_per_token, flops_per_token_by_part
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = System("test", 1000.0, 2000.0, 100.0, 1.0, 500.0, 100.0, 8)
+FULL_LINKS = tuple(((tier, kind), 1.0) for tier in ("scale_up", "scale_out") for kind in KINDS)
 IDEAL = Assumptions(
-    compute_efficiency=0.5,
-    link_efficiency=(("scale_up", 1.0), ("scale_out", 1.0)),
-    latency_s=(("scale_up", 0.0), ("scale_out", 0.0)),
+    compute_efficiency=0.5, link_efficiency=FULL_LINKS, latency_s=(("scale_up", 0.0), ("scale_out", 0.0))
 )
 
 
@@ -53,8 +53,10 @@ def test_pure_compute():
 
 
 def test_fp8_peak_halves_compute_time():
-    p = predict(workload(), SYSTEM, Assumptions(compute_efficiency=0.5, precision="fp8"))
+    p = predict(workload(fp8_flops_per_device=1e15), SYSTEM, IDEAL)
     assert p.step_s == pytest.approx(1.0)  # 1e15 / (2e15 x 0.5)
+    assert p.mfu == pytest.approx(0.5)  # against the FP8 peak the GEMMs run at: 0.5 s of peak in 1 s
+    assert p.mfu_bf16_peak == pytest.approx(1.0)  # 1,000 TFLOP/s against the bf16 peak
 
 
 def test_fp8_gemms_run_at_the_fp8_peak_and_the_rest_at_bf16():
@@ -62,26 +64,35 @@ def test_fp8_gemms_run_at_the_fp8_peak_and_the_rest_at_bf16():
     p = predict(workload(fp8_flops_per_device=0.5e15), SYSTEM, IDEAL)
     assert p.step_s == pytest.approx(1.5)
     assert p.tflops_per_gpu == pytest.approx(1000 / 1.5)
-    assert p.mfu == pytest.approx(1 / 1.5)  # against the bf16 peak
+    assert p.mfu == pytest.approx(0.75 / 1.5)  # 0.75 s at the peaks of each class's precision
+    assert p.mfu_bf16_peak == pytest.approx(1 / 1.5)
     assert p.contributions["compute"] == pytest.approx(1.5)
 
 
-@pytest.mark.parametrize("recipe", ["none", "blockwise"])
-def test_dry_run_workload_splits_off_the_fp8_gemms(recipe):
+@pytest.mark.parametrize(
+    "recipe, system, routed_fp8",
+    [("none", "h200", None), ("blockwise", "h200", True), ("tensorwise", "h200", False), ("mxfp8", "h200", None)]
+    + [("mxfp8", "gb300", False), ("blockwise", "gb300", True)],
+)
+def test_dry_run_workload_credits_fp8_only_where_fp8_runs(recipe, system, routed_fp8):
     """671B on 256 devices: the FP8 GEMMs' share of the FLOPs, by hand from the architecture
-    numbers (attention projections, dense MLPs, shared + 8 routed experts, main model and MTP)."""
+    numbers (attention projections, dense MLPs, shared + 8 routed experts, main model and MTP).
+    None: no FP8 at all (mxfp8 on Hopper runs its dequantised values in bf16); False: every
+    class but the routed experts, whose grouped kernels run bf16 under tensorwise and mxfp8."""
     files = [str(ROOT / "configs" / n) for n in ("deepseek_v3_671b.yaml", "mesh_256_h200.yaml")]
-    config = load_config(files, [f"model.fp8={recipe}"])
-    w = step_workload(config, [], 256, 0.0, None)
+    config = load_config(files, [f"model.fp8={recipe}", "model.remat=none"])
+    w = step_workload(config, [], 256, 0.0, None, system)
     tokens = config.train.batch_size * config.train.seq_len
     assert w.flops_per_device == pytest.approx(flops_per_token(config.model, config.train.seq_len) * tokens / 256)
     d, q, kv, h = 7168, 1536, 512, 128
     attention = d * q + q * h * 192 + d * (kv + 64) + kv * h * 256 + h * 128 * d
-    fp8 = 6 * ((61 + 1) * attention + 3 * 3 * d * 18432 + (58 + 1) * 9 * 3 * d * 2048)  # 61 layers + MTP
-    expected = 0.0 if recipe == "none" else fp8 * tokens / 256
-    assert w.fp8_flops_per_device == pytest.approx(expected, rel=1e-12)
-    bf16 = predict(dataclasses.replace(w, fp8_flops_per_device=0.0), SYSTEMS["h200"])
-    assert (predict(w, SYSTEMS["h200"]).step_s < bf16.step_s) == (recipe != "none")
+    dense = 6 * ((61 + 1) * attention + 3 * 3 * d * 18432 + (58 + 1) * 1 * 3 * d * 2048)  # 61 layers + MTP
+    routed = 6 * (58 + 1) * 8 * 3 * d * 2048
+    fp8 = 0 if routed_fp8 is None else dense + (routed if routed_fp8 else 0)
+    assert w.fp8_flops_per_device == pytest.approx(fp8 * tokens / 256, rel=1e-12)
+    assert w.executed == (w.flops_per_device, w.fp8_flops_per_device)  # remat none: nothing runs twice
+    bf16 = predict(dataclasses.replace(w, fp8_flops_per_device=0.0, fp8_executed_flops_per_device=0.0), SYSTEMS[system])
+    assert (predict(w, SYSTEMS[system]).step_s < bf16.step_s) == (routed_fp8 is not None)
 
 
 def test_once_per_step_cross_domain_traffic_is_exposed():
@@ -100,10 +111,11 @@ def test_overlapped_traffic_costs_its_exposed_part_until_it_outlasts_compute():
     # 500 GB over NVLink at 500 GB/s = 1 s in the loop, 90% hidden: 2 + 0.1 s.
     p = predict(workload(Collective("all-gather", "scale_up", 500 * GB, 10, 8)), SYSTEM, IDEAL)
     assert p.step_s == pytest.approx(2.1)
-    # 2,500 GB = 5 s: 4.5 s hidden is longer than the 2 s of compute: 4.5 + 0.5 exposed.
+    # 2,500 GB = 5 s in the backward pass: 4.5 s hidden is longer than the backward's 4/3 s of
+    # compute (2/3 of 2 s): the backward takes 4.5 s, the forward 2/3 s, plus 0.5 s exposed.
     p = predict(workload(Collective("all-gather", "scale_up", 2500 * GB, 10, 8)), SYSTEM, IDEAL)
-    assert p.step_s == pytest.approx(5.0)
-    assert p.contributions["scale-up traffic"] == pytest.approx(3.0)  # 0.5 exposed + 2.5 beyond compute
+    assert p.step_s == pytest.approx(2 / 3 + 4.5 + 0.5)
+    assert p.contributions["scale-up traffic"] == pytest.approx(0.5 + 4.5 - 4 / 3)  # exposed + beyond compute
     assert p.bound == "scale-up traffic"
 
 
@@ -124,9 +136,8 @@ def test_latency_counts_ring_hops():
 
 
 def test_link_efficiency_divides_bandwidth():
-    a = Assumptions(
-        link_efficiency=(("scale_up", 0.8), ("scale_out", 0.5)), latency_s=(("scale_up", 0.0), ("scale_out", 0.0))
-    )
+    links = tuple(((tier, k), 0.8 if tier == "scale_up" else 0.5) for tier in ("scale_up", "scale_out") for k in KINDS)
+    a = Assumptions(link_efficiency=links, latency_s=(("scale_up", 0.0), ("scale_out", 0.0)))
     out = Collective("all-gather", "scale_out", 100 * GB, 1, 2, "step")
     up = Collective("all-gather", "scale_up", 400 * GB, 1, 2)
     assert collective_seconds(out, SYSTEM, a) == pytest.approx(2.0)  # 100 / (100 x 0.5)
@@ -183,12 +194,12 @@ def test_hlo_rows_group_by_tier_kind_and_phase():
         row("all-gather", 1, 1.0, 2, False),
     ]
     w = workload_from_ops(rows, 1e12, 100, 8)
-    got = {(c.tier, c.kind, c.phase): (c.bytes, c.launches, c.peers) for c in w.collectives}
-    assert got == {
-        ("scale_out", "all-gather", "step"): (12.0, 2, 4),
-        ("scale_out", "reduce-scatter", "step"): (6.0, 1, 4),
-        ("scale_up", "all-to-all", "loop"): (48.0, 24, 8),
-        ("scale_up", "all-gather", "step"): (1.0, 1, 2),
+    got = {(c.tier, c.kind, c.phase, c.pass_): (c.bytes, c.launches, c.peers) for c in w.collectives}
+    assert got == {  # rows without in_loop and pass: looped when they run more than once; backward
+        ("scale_out", "all-gather", "step", "backward"): (12.0, 2, 4),
+        ("scale_out", "reduce-scatter", "step", "backward"): (6.0, 1, 4),
+        ("scale_up", "all-to-all", "loop", "backward"): (48.0, 24, 8),
+        ("scale_up", "all-gather", "step", "backward"): (1.0, 1, 2),
     }
 
 
@@ -269,17 +280,18 @@ def test_pipeline_extra_work_sits_on_the_first_and_last_chunk():
 
 
 def test_pipeline_bubble_is_a_step_part():
-    # 1e15 FLOP = 2 s of compute; scale 1.5 adds 1 s of pipeline bubble, which becomes the bound,
-    # and 2.5 s of hideable traffic hides under the 3 s timeline but not under the 2 s of work.
-    traffic = Collective("all-gather", "scale_up", 1250 * GB, 10, 8, "loop")
+    # 1e15 FLOP = 2 s of compute; imbalance 1.5 adds 1 s to the stages' timeline, and 2 s of
+    # hideable backward traffic hides under the backward's 2 s of timeline (2/3 of 3 s) but would
+    # not under its 1.33 s of work.
+    traffic = Collective("all-gather", "scale_up", 1000 * GB, 10, 8, "loop")
     a = dataclasses.replace(IDEAL, overlap=((("scale_up", "all-gather", "loop"), 1.0),))
-    p = predict(workload(traffic, compute_scale=1.5), SYSTEM, a)
+    p = predict(workload(traffic, stage_imbalance=1.5), SYSTEM, a)
     assert p.contributions["compute"] == pytest.approx(2.0)
-    assert p.contributions["pipeline bubble"] == pytest.approx(1.0)
+    assert p.contributions["stage imbalance"] == pytest.approx(1.0)
     assert p.contributions["scale-up traffic"] == pytest.approx(0.0)
     assert p.step_s == pytest.approx(3.0)
     assert p.tflops_per_gpu == pytest.approx(1e15 / 3.0 / 1e12)
-    p = predict(workload(compute_scale=3.0), SYSTEM, IDEAL)
+    p = predict(workload(bubble=2 / 3), SYSTEM, IDEAL)
     assert p.bound == "pipeline bubble" and p.step_s == pytest.approx(6.0)
 
 

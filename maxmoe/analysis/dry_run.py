@@ -46,10 +46,16 @@ per device:
               maxmoe.analysis.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
               free, the end stages' extra work only on those stages.
   prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
-              GPU and bound from these FLOPs (those of the FP8 GEMMs apart: step_workload),
-              collectives (as the GPU moves them, by tier and by whether they run once per
-              step) and memory, and the per-GPU retention if the replicas (cross-domain
-              groups) grew 4-fold.
+              GPU, MFU and bound (step_workload): model FLOPs for throughput, executed FLOPs
+              (model.remat's recompute added) for time, each split into the GEMM classes the
+              recipe runs in FP8 on the system and the rest; the collectives as the GPU moves
+              them, by tier, pass and whether they sit in a loop, their launches counted after
+              the system's xla_flags combine thresholds; memory; whether the expert all-to-all
+              has independent chains to hide under (moe.overlap=batch_split, read from one MoE
+              layer lowered for CUDA: maxmoe.analysis.lowering.a2a_independent_chains); and the
+              per-GPU retention if the replicas (cross-domain groups) grew 4-fold. The rows the
+              planner reads are stored (`planner_rows`) so `sweep --replan` predicts again
+              under other assumptions without compiling.
 The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
 whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
 its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
@@ -82,8 +88,16 @@ from maxmoe.analysis import planner
 from maxmoe.analysis.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
 from maxmoe.analysis.hlo_slices import parse_computations, sliced_elements
 from maxmoe.analysis.hlo_widened import MOVING, narrowed_operands
+from maxmoe.analysis.lowering import a2a_independent_chains
 from maxmoe.config import Config, ConfigError
-from maxmoe.flops import count_params, flops_per_token, flops_per_token_by_part, fp8_flops_per_token
+from maxmoe.flops import (
+    count_params,
+    flops_per_token,
+    flops_per_token_by_class,
+    flops_per_token_by_part,
+    fp8_gemm_classes,
+    recompute_flops_per_token,
+)
 from maxmoe.kernels.choice import Choice
 from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN
 from maxmoe.mesh import device_domains
@@ -93,7 +107,7 @@ from maxmoe.parallel.layout import build_layout
 from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
 from maxmoe.training.stage_state import slot_layout
-from maxmoe.xla_flags import FAST_CPU_COMPILE
+from maxmoe.xla_flags import FAST_CPU_COMPILE, profile_flags
 
 GB = 1e9
 # What a report records as its method: the module docstring past its first line.
@@ -270,25 +284,79 @@ def _sliced_all_reduces(rows: list[dict], sliced: dict) -> tuple[list[dict], flo
 # Compiling one step
 
 
-def step_workload(config: Config, rows: list[dict], devices: int, memory_bytes: float, pipeline) -> planner.Workload:
-    """The planner's Workload of one step: model FLOPs (those of the FP8 GEMMs apart), the
-    collectives `rows` (as_on_gpu's), the compiled footprint, the optimizer's HBM bytes and,
-    with stages (`pipeline`: pipeline_report's), their compute scale."""
+def combine_thresholds(system: str | None) -> dict[str, int]:
+    """{collective kind: bytes} XLA:GPU combines up to under `system`'s xla_flags profile ({} without one)."""
+    if system is None:
+        return {}
+    out = {}
+    for flag in profile_flags(system):
+        name, _, value = flag.lstrip("-").partition("=")
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            if name == f"xla_gpu_{kind}_combine_threshold_bytes":
+                out[kind.replace("_", "-")] = int(value)
+    return out
+
+
+PLANNER_ROW_KEYS = ("kind", "runs", "bytes", "bytes_per_run", "peers", "cross_domain", "pass", "computation", "in_loop")
+
+
+def step_workload(
+    config: Config,
+    rows: list[dict],
+    devices: int,
+    memory_bytes: float,
+    pipeline,
+    system: str | None = None,
+    a2a_independent_chains: bool = False,
+) -> planner.Workload:
+    """The planner's Workload of one step on `system`: model FLOPs, executed FLOPs (model.remat's
+    recompute added), the part of each in the GEMM classes the recipe runs in FP8 on the system's
+    architecture, the collectives `rows` (as_on_gpu's) combined as the system's xla_flags profile
+    combines them, the compiled footprint, the optimizer's HBM bytes and, with stages
+    (`pipeline`: pipeline_report's), their bubble and imbalance."""
     t = config.train
     tokens = t.batch_size * t.seq_len
     params = count_params(config.model)
+    per_device = tokens / devices
     workload = planner.workload_from_ops(
         rows,
-        flops_per_token(config.model, t.seq_len) * tokens / devices,
+        flops_per_token(config.model, t.seq_len) * per_device,
         tokens,
         devices,
         memory_bytes=memory_bytes,
         optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], devices),
+        combine_bytes=combine_thresholds(system),
     )
-    workload = dataclasses.replace(workload, fp8_flops_per_device=fp8_flops_per_token(config.model) * tokens / devices)
+    arch = planner.SYSTEMS[system].arch if system else "hopper"
+    fp8 = fp8_gemm_classes(config.model.fp8, arch)
+    by_class = flops_per_token_by_class(config.model, t.seq_len)
+    again = recompute_flops_per_token(config.model, t.seq_len)
+    model_fp8 = sum(by_class[k] for k in fp8)
+    workload = dataclasses.replace(
+        workload,
+        fp8_flops_per_device=model_fp8 * per_device,
+        executed_flops_per_device=(sum(by_class.values()) + sum(again.values())) * per_device,
+        fp8_executed_flops_per_device=(model_fp8 + sum(again[k] for k in fp8)) * per_device,
+        a2a_independent_chains=a2a_independent_chains,
+    )
     if pipeline is not None:
-        workload = dataclasses.replace(workload, compute_scale=pipeline["compute_scale"])
+        workload = dataclasses.replace(workload, bubble=pipeline["bubble"], stage_imbalance=pipeline["stage_imbalance"])
     return workload
+
+
+def replan(result: dict, config: Config, system: str, assumptions=None) -> dict:
+    """The planner's report for a stored dry-run result (its `planner_rows`, memory and pipeline)
+    on `system` under `assumptions`: a prediction again without compiling."""
+    workload = step_workload(
+        config,
+        result["planner_rows"],
+        result["devices"],
+        result["memory"]["total"],
+        result.get("pipeline"),
+        system,
+        result.get("a2a_independent_chains", False),
+    )
+    return planner.report(workload, planner.SYSTEMS[system], assumptions or planner.Assumptions())
 
 
 def bubble_baseline(config: Config) -> Config:
@@ -361,6 +429,7 @@ def dry_run_shape(
     a2a: str = "proxy",
     system: str | None = None,
     measure_bubble: bool = True,
+    assumptions=None,
 ) -> dict:
     """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
 
@@ -417,9 +486,10 @@ def dry_run_shape(
     flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
     pipeline = pipeline_report(shaped)
     prediction = None
+    chains = a2a_independent_chains(shaped, devices) if ragged else False
     if system is not None:
-        workload = step_workload(shaped, rows, mesh.size, total, pipeline)
-        prediction = planner.report(workload, planner.SYSTEMS[system])
+        workload = step_workload(shaped, rows, mesh.size, total, pipeline, system, chains)
+        prediction = planner.report(workload, planner.SYSTEMS[system], assumptions or planner.Assumptions())
     if shaped.mesh.scale_up_domain:
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
     else:
@@ -463,4 +533,6 @@ def dry_run_shape(
         "compile_s": compile_s,
         "notes": notes,
         "prediction": prediction,
+        "a2a_independent_chains": chains,
+        "planner_rows": [{k: r.get(k) for k in PLANNER_ROW_KEYS} for r in rows],
     }

@@ -198,20 +198,35 @@ def computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, flo
 
     Every branch of a conditional counts as run once per run of its caller.
     """
+    comps, times, _ = _computation_runs(hlo_text)
+    return comps, times
+
+
+def _computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, float], set[str]]:
+    """`computation_runs` and the computations reached through a while loop (`in_loop`)."""
     comps, calls, entry = _call_graph(hlo_text)
     times = {name: 0.0 for name in comps}
+    looped: set[str] = set()
     if entry is None:
-        return comps, {name: 1.0 for name in comps}
+        return comps, {name: 1.0 for name in comps}, looped
 
-    def visit(name, factor, depth=0):
+    def visit(name, factor, in_loop, depth=0):
         if name not in times or depth > 64:
             return
         times[name] += factor
+        if in_loop:
+            looped.add(name)
         for callee, f, _ in calls.get(name, ()):
-            visit(callee, factor * f, depth + 1)
+            visit(callee, factor * f, in_loop or f != 1.0 or _is_loop_call(comps[name], callee), depth + 1)
 
-    visit(entry, 1.0)
-    return comps, times
+    visit(entry, 1.0, False)
+    return comps, times, looped
+
+
+def _is_loop_call(lines: list[str], callee: str) -> bool:
+    """Whether `callee` is the body or condition of a while op in `lines` (a loop of any trip count)."""
+    pattern = re.compile(rf"\b(body|condition)=%?{re.escape(callee)}\b")
+    return any(" while(" in line and pattern.search(line) for line in lines)
 
 
 _DEF_RE_HLO = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]")
@@ -244,32 +259,46 @@ def _matmul_flops(line: str, shapes: dict[str, list[int]]) -> float:
 
 
 def dot_flops(hlo_text: str) -> float:
+    """Dot and convolution FLOPs one device runs per step of compiled HLO (`dot_flops_by_pass`, summed)."""
+    return sum(dot_flops_by_pass(hlo_text).values())
+
+
+def dot_flops_by_pass(hlo_text: str) -> dict[str, float]:
     """Dot and convolution FLOPs (2 x multiply-adds) one device runs per step of compiled HLO.
 
-    Loop bodies count their known trip count times; a conditional counts its most expensive
-    branch, whichever one runs: SPMD pipeline stages tick in lockstep, so a tick lasts as long
-    as its busiest stage. Operand shapes come from their definitions in the same computation.
+    By pass (`pass_of` of each dot: forward, backward -- a rematerialised forward pass
+    recomputed inside the backward counts there -- and other). Loop bodies count their known
+    trip count times; a conditional counts its most expensive branch, whichever one runs: SPMD
+    pipeline stages tick in lockstep, so a tick lasts as long as its busiest stage. Operand
+    shapes come from their definitions in the same computation.
     """
     comps, calls, entry = _call_graph(hlo_text)
-    cost: dict[str, float] = {}
+    cost: dict[str, dict[str, float]] = {}
+    empty = {name: 0.0 for name in PASSES}
 
-    def visit(name: str, depth: int = 0) -> float:
+    def visit(name: str, depth: int = 0) -> dict[str, float]:
         if name in cost or name not in comps or depth > 64:
-            return cost.get(name, 0.0)
+            return cost.get(name, empty)
         lines = comps[name]
         shapes = {m.group(1): _dims(m.group(2)) for m in map(_DEF_RE_HLO.match, lines) if m}
-        total = sum(_matmul_flops(line, shapes) for line in lines)
-        busiest: dict[int, float] = {}
+        total = dict(empty)
+        for line in lines:
+            flops = _matmul_flops(line, shapes)
+            if flops:
+                total[pass_of(line)] += flops
+        busiest: dict[int, dict[str, float]] = {}
         for callee, factor, branch in calls[name]:
-            flops = visit(callee, depth + 1) * factor
+            flops = {k: v * factor for k, v in visit(callee, depth + 1).items()}
             if branch is None:
-                total += flops
-            else:
-                busiest[branch] = max(busiest.get(branch, 0.0), flops)
-        cost[name] = total + sum(busiest.values())
-        return cost[name]
+                total = {k: total[k] + flops[k] for k in total}
+            elif sum(flops.values()) > sum(busiest.get(branch, empty).values()):
+                busiest[branch] = flops
+        for flops in busiest.values():
+            total = {k: total[k] + flops[k] for k in total}
+        cost[name] = total
+        return total
 
-    return visit(entry) if entry is not None else 0.0
+    return visit(entry) if entry is not None else dict(empty)
 
 
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
@@ -299,9 +328,12 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
     docstring), peers (largest replica group), cross_domain (a group spans scale-up
     domains), dtype (of the result), op_name (jax's, from the metadata; carries
     jax.named_scope names), pass (`pass_of`) and promoted (a reduction XLA:CPU's float
-    normalisation runs in f32 for a narrower program type: its reducer is a `_promoted` copy).
+    normalisation runs in f32 for a narrower program type: its reducer is a `_promoted` copy),
+    computation (the HLO computation holding it: XLA combines collectives within one) and
+    in_loop (it sits in a while loop's body, whatever the trip count: it is not once per step
+    even where it runs once).
     """
-    comps, times = computation_runs(hlo_text)
+    comps, times, looped = _computation_runs(hlo_text)
     n = len(device_domain)
     rows = []
     for name, lines in comps.items():
@@ -339,6 +371,8 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
                     "op_name": op_name.group(1) if op_name else "",
                     "promoted": bool(_PROMOTED_RE.search(line)),
                     "pass": pass_of(line),
+                    "computation": name,
+                    "in_loop": name in looped,
                 }
             )
     return rows

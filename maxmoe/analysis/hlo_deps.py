@@ -33,8 +33,14 @@ class Marker:
     deps: frozenset
 
 
+_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
 def _brace_net(line: str) -> int:
-    return line.count("{") - line.count("}")
+    """Opened minus closed braces of a line, those inside string literals not counted (a kernel's
+    serialised module in a custom call's backend_config holds any bytes)."""
+    code = _STRING_RE.sub('""', line)
+    return code.count("{") - code.count("}")
 
 
 def _split_functions(lines: list[str]) -> dict[str, tuple[list[str], int, int]]:

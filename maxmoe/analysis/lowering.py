@@ -40,3 +40,51 @@ def stage_spans(config: Config, stablehlo_text: str) -> dict[str, dict[str, int]
     devices = config.run.cpu_devices or jax.device_count()
     per_stage = devices // config.mesh.pipeline
     return collective_spans(stablehlo_text, [d // per_stage for d in range(devices)])
+
+
+def moe_layer_lowered_text(config: Config, devices: list) -> str:
+    """One MoE layer of `config` (its dims, mesh and dispatch), forward and backward, lowered
+    for CUDA: the program in which `a2a_independent_chains` looks for batch_split's chains."""
+    import flax.linen as nn
+
+    from maxmoe.model.moe import MoE
+    from maxmoe.model.transformer import COMPUTE_DTYPES
+
+    layout = build_layout(config, devices, platform="cuda")
+    dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+    module = MoE(config.model, dtype, layout)
+    t = config.train
+    rows = t.batch_size // t.grad_accum
+    x = jax.ShapeDtypeStruct((rows, t.seq_len, config.model.hidden_size), dtype)
+    variables = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), x))
+
+    def forward_backward(params, router, x, dy):
+        def layer(params, x):
+            return module.apply({"params": params, "router": router}, x, mutable=["moe_stats"])[0]
+
+        y, vjp = jax.vjp(layer, params, x)
+        return y, vjp(dy)
+
+    lowered = jax.jit(forward_backward).trace(variables["params"], variables["router"], x, x)
+    return lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def a2a_independent_chains(config: Config, devices: list) -> bool:
+    """Whether the expert all-to-all can run under other GEMMs: `moe.overlap=batch_split` and one
+    MoE layer's CUDA program holds two or more independent dispatch chains, no exchange of one
+    waiting on another's expert GEMMs (maxmoe.analysis.hlo_deps)."""
+    if config.moe.overlap != "batch_split":
+        return False
+    from maxmoe.analysis.hlo_deps import independent_chains, marker_dependencies
+
+    text = moe_layer_lowered_text(config, devices)
+    chains, coupled = independent_chains(marker_dependencies(text, GROUPED_GEMM_MARKERS))
+    return len(chains) >= 2 and not coupled
+
+
+# The dependence markers of a CUDA-lowered MoE layer: its ragged all-to-alls and its grouped GEMMs,
+# XLA's ragged_dot or a GPU kernel backend's custom call (maxmoe.kernels.grouped_matmul).
+GROUPED_GEMM_MARKERS = {
+    "ragged_all_to_all": r"@ragged_all_to_all\b",
+    "ragged_dot": r"(\bchlo\.ragged_dot\b|custom_call @mosaic_gpu\w*)",
+}

@@ -1,111 +1,80 @@
-"""Step-time planner: a dry run's per-device FLOPs and collective bytes by tier -> step time and TFLOP/s per GPU.
+"""Step-time planner: a dry run's per-device FLOPs and collectives by tier -> step time and TFLOP/s per GPU.
 
     prediction = predict(workload_from_ops(rows, ...), SYSTEMS["gb300"], Assumptions())
 
 `maxmoe.sweep --dry-run --system NAME` calls it for every shape (default: the config's
-xla.profile). The model, per device and per step; every assumption is a field of
-`Assumptions`:
+xla.profile). The model, per device and per step; every constant is a field of
+`Assumptions` with its public source (maxmoe.analysis.assumptions; `sweep --assume NAME=VALUE`):
 
-  compute     t_c = (model FLOPs - FP8 FLOPs) / (peak[precision] x compute_efficiency)
-                    + FP8 FLOPs / (peak["fp8"] x compute_efficiency).
-              FP8 FLOPs: the GEMMs `model.fp8` runs in FP8 (maxmoe.flops.fp8_flops_per_token;
-              0 without it); the rest (attention core, router, head) at the precision's peak.
-              compute_efficiency is the one constant to calibrate: the fraction of dense peak
-              the model's own math reaches with no communication, measured on one GPU as
-              proxy_1gpu's MFU (benchmarks/gpu_suite.sh); until then 0.5, for FP8 GEMMs too
-              (their quantisation passes are not charged). MFU is against peak[precision].
-              With pipeline stages t_c grows by
-              compute_scale (pipeline_compute_scale: the schedule's bubble and the busiest
-              stage's extra work); the growth is the step part "pipeline bubble".
-  collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link_efficiency[tier]).
-              Bytes are what each device puts on the wire (maxmoe.analysis.hlo's ring factors), the
-              bandwidth is per GPU per direction, hops = P - 1 for one ring pass (all-gather,
+  compute     t_c = (X - X8) / (peak_bf16 x e) + X8 / (peak_fp8 x e), e = compute_efficiency.
+              X: executed FLOPs (model FLOPs plus what model.remat runs again:
+              maxmoe.flops.recompute_flops_per_token); X8: the part in the GEMM classes the
+              recipe and the system's kernels run in FP8 (maxmoe.flops.fp8_gemm_classes: under
+              mxfp8 and tensorwise the routed experts run bf16 kernels). Model FLOPs give
+              TFLOP/s per GPU and MFU; MFU is against the peak of the precision each class
+              runs at (the bf16 peak for bf16 rows; `mfu_bf16_peak` beside it). With pipeline
+              stages the stages' timeline is t_c / (1 - bubble) x stage_imbalance: the
+              parts "pipeline bubble" (the schedule's idle ticks) and "stage imbalance" (the
+              busiest chunk over the mean) apart.
+  collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link[tier, kind]).
+              Launches are counted after XLA:GPU's combining: the all-gathers, reduce-scatters
+              and all-reduces of one computation, pass, tier and group size merge up to the
+              system's profile thresholds (maxmoe.xla_flags: xla_gpu_*_combine_threshold_bytes,
+              on result bytes); XLA:CPU's program, which the dry run reads, has no such
+              combining. Bytes per launch set the effective efficiency through the latency
+              term (an alpha-beta model). hops = P - 1 for a ring pass (all-gather,
               reduce-scatter), 2 (P - 1) for an all-reduce, 1 for an all-to-all or a permute.
-              tier: scale_up (inside a scale-up domain) or scale_out (replica groups that
-              span domains).
-  overlap     a fraction overlap[(tier, kind, phase)] of t_i runs under compute, the rest
-              adds to the step. phase "loop": the op runs more than once per step (inside
-              the micro-batch loop or the layer scan), where XLA's scheduler can prefetch
-              it; phase "step": once per step, outside the loop (the two-tier weight gather
-              and gradient reduce-scatter, which have no compute beside them: overlap 0).
-  step        t = max(t_c, hidden scale-up, hidden scale-out) + exposed + t_optimizer: the
-              two fabrics run beside compute and beside each other; hidden traffic that
-              does not fit under compute extends the step. t_optimizer = optimizer bytes
-              through HBM.
-  outputs     tokens/s, TFLOP/s per GPU (model FLOPs / t), MFU, and the bound: the largest
-              contribution to t (compute, pipeline bubble, expert all-to-all, scale-up
-              traffic, cross-domain traffic, memory), or "memory (does not fit)" when the
-              compiled footprint exceeds HBM.
-Rough where it is rough: no contention between collectives sharing a fabric, no
-stragglers or jitter, one efficiency for every matmul shape, ring latency only, the
-expert all-to-all assumed balanced (what the dry run's stand-in moves).
+              tier: scale_up (inside a scale-up domain) or scale_out.
+  overlap     a fraction overlap[(tier, kind, phase)] of t_i runs under compute, the rest adds
+              to the step. phase "loop": the op sits in a loop (micro-batches, layer scan),
+              where XLA's scheduler can prefetch it, whatever its trip count; "step": outside
+              every loop (the two-tier gather and reduce-scatter: nothing beside them). The
+              expert all-to-all is hidden (a2a_batch_split_overlap) only where the workload
+              says the lowered program has independent chains (moe.overlap=batch_split,
+              maxmoe.analysis.hlo_deps).
+  hidden      checked per pass: what is called hidden in the forward (backward) pass must fit
+              under that pass's compute -- per layer, as each loop-phase collective runs once
+              per layer and micro-batch beside that layer's compute; the forward pass holds a
+              third of the model FLOPs, the backward the rest and the recompute. The excess of
+              the busier fabric over a pass's compute extends the step, charged to its labels.
+  step        t = timeline + excess + exposed + t_optimizer (optimizer bytes through HBM).
+  outputs     tokens/s, TFLOP/s per GPU (model FLOPs / t), MFU, exposed_fraction (the step's
+              non-compute share) and the bound: the term on the critical path that takes
+              longest -- compute, the pipeline bubble, the stage imbalance, the expert
+              all-to-all, scale-up traffic, cross-domain traffic (a fabric whose hidden
+              traffic outlasts a pass's compute takes that pass's time), memory -- or "memory
+              (does not fit)" when the compiled footprint exceeds HBM.
+Rough where it is rough: no contention between collectives sharing a fabric, no stragglers or
+jitter, one efficiency for every GEMM shape, ring latency only, the expert all-to-all assumed
+balanced (what the dry run's stand-in moves), combining within the thresholds assumed
+unhindered by data dependences inside one pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-GB = 1e9
+from maxmoe.analysis.assumptions import GB, KINDS, PHASES, SYSTEMS, TIERS, Assumptions, System, table
 
-
-@dataclasses.dataclass(frozen=True)
-class System:
-    """Per-GPU figures of one system: dense (no 2:4 sparsity) peaks, bandwidths per direction."""
-
-    name: str
-    peak_bf16_tflops: float
-    peak_fp8_tflops: float
-    hbm_gb: float
-    hbm_tb_s: float
-    scale_up_gb_s: float  # NVLink, per GPU per direction
-    scale_out_gb_s: float  # NICs, per GPU per direction
-    domain_gpus: int  # GPUs per NVLink domain
-
-    def peak_tflops(self, precision: str) -> float:
-        return {"bf16": self.peak_bf16_tflops, "fp8": self.peak_fp8_tflops}[precision]
-
-
-# Public sources, per GPU; vendor figures "with sparsity" halved to dense:
-# h100  NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 / FP8 3,958 TFLOPS with
-#       sparsity; 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (both directions). DGX H100 user
-#       guide: 8 GPUs per NVLink domain, 8x ConnectX-7 400 Gb/s = 50 GB/s per GPU.
-# h200  NVIDIA H200 datasheet: Hopper compute as H100; 141 GB HBM3e at 4.8 TB/s; NVLink
-#       900 GB/s; HGX/DGX H200: 8 GPUs, ConnectX-7 400 Gb/s per GPU.
-# b200  NVIDIA DGX B200 page: 8 GPUs, 72 PFLOPS FP8 training (sparse) -> 4.5 PF dense per GPU,
-#       BF16 2.25 PF dense; 1,440 GB HBM3e (180 GB each) at 64 TB/s (8 TB/s each); NVLink 5
-#       1.8 TB/s per GPU (both directions); 8x ConnectX-7 400 Gb/s.
-# gb200 NVIDIA GB200 NVL72 page: 72 GPUs, FP8 720 PF / BF16 360 PF (sparse) -> 5 / 2.5 PF
-#       dense per GPU; 13.4 TB HBM3e (186 GB each) at 576 TB/s (8 TB/s each); NVLink 130 TB/s
-#       (1.8 TB/s per GPU); ConnectX-7 400 Gb/s per GPU.
-# gb300 NVIDIA GB300 NVL72 page: 72 GPUs, FP8 360 PF dense (5 PF per GPU), BF16 2.5 PF dense
-#       per GPU; 20 TB HBM3e (279 GB per GPU as the devices report it) at 576 TB/s (8 TB/s
-#       each); NVLink 130 TB/s; ConnectX-8 800 Gb/s = 100 GB/s per GPU (4 per 4-GPU tray).
-SYSTEMS = {
-    "h100": System("h100", 989.4, 1978.9, 80.0, 3.35, 450.0, 50.0, 8),
-    "h200": System("h200", 989.4, 1978.9, 141.0, 4.8, 450.0, 50.0, 8),
-    "b200": System("b200", 2250.0, 4500.0, 180.0, 8.0, 900.0, 50.0, 8),
-    "gb200": System("gb200", 2500.0, 5000.0, 186.0, 8.0, 900.0, 50.0, 72),
-    "gb300": System("gb300", 2500.0, 5000.0, 279.0, 8.0, 900.0, 100.0, 72),
-}
-
-TIERS = ("scale_up", "scale_out")
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-PHASES = ("loop", "step")
+__all__ = ["GB", "SYSTEMS", "System", "Assumptions", "KINDS", "PHASES", "TIERS"]
+PASSES = ("forward", "backward", "other")
+DEFAULT_ASSUMPTIONS = Assumptions()
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One class of collectives of a step, e.g. the cross-domain reduce-scatters."""
+    """One class of collectives of a step, e.g. the cross-domain reduce-scatters of the backward pass."""
 
     kind: str
     tier: str  # "scale_up" or "scale_out"
     bytes: float  # per device per step, on the wire
-    launches: int  # per step
+    launches: int  # per step, after combining
     peers: int = 2  # largest group
-    phase: str = "loop"  # "loop": runs more than once per step; "step": once
+    phase: str = "loop"  # "loop": inside a loop; "step": once per step outside every loop
+    pass_: str = "backward"  # forward, backward or other (the optimizer update)
 
     def __post_init__(self):
-        if self.tier not in TIERS or self.kind not in KINDS or self.phase not in PHASES:
+        if self.tier not in TIERS or self.kind not in KINDS or self.phase not in PHASES or self.pass_ not in PASSES:
             raise ValueError(f"bad collective {self}")
 
 
@@ -119,37 +88,23 @@ class Workload:
     collectives: tuple[Collective, ...] = ()
     memory_bytes: float = 0.0  # compiled footprint, for the fits check
     optimizer_bytes: float = 0.0  # HBM bytes the optimizer update reads and writes
-    compute_scale: float = 1.0  # pipeline stages: their compute time over the work's (pipeline_compute_scale)
-    fp8_flops_per_device: float = 0.0  # the part of flops_per_device that runs as FP8 GEMMs (model.fp8)
+    fp8_flops_per_device: float = 0.0  # model FLOPs in the GEMM classes that run in FP8
+    executed_flops_per_device: float = 0.0  # model + recompute; 0: the model FLOPs
+    fp8_executed_flops_per_device: float = 0.0  # of which in FP8 classes; 0 with executed 0: fp8_flops
+    bubble: float = 0.0  # the pipeline schedule's idle fraction
+    stage_imbalance: float = 1.0  # busiest pipeline chunk over the mean
+    a2a_independent_chains: bool = False  # moe.overlap=batch_split, verified on the lowered program
 
+    @property
+    def executed(self) -> tuple[float, float]:
+        """(executed FLOPs, of which FP8)."""
+        if self.executed_flops_per_device:
+            return self.executed_flops_per_device, self.fp8_executed_flops_per_device
+        return self.flops_per_device, self.fp8_flops_per_device
 
-DEFAULT_OVERLAP = (
-    # The expert all-to-all and tensor-parallel all-reduces sit between the ops that make and
-    # use them (no micro-batch interleaving yet): exposed.
-    (("scale_up", "all-to-all", "loop"), 0.0),
-    (("scale_up", "all-reduce", "loop"), 0.0),
-    # Per-layer FSDP gathers and gradient reductions: prefetched and pipelined by XLA's
-    # latency-hiding scheduler (xla_flags profiles).
-    (("scale_up", "all-gather", "loop"), 0.9),
-    (("scale_up", "reduce-scatter", "loop"), 0.9),
-    (("scale_out", "all-gather", "loop"), 0.9),
-    (("scale_out", "reduce-scatter", "loop"), 0.9),
-    (("scale_out", "all-reduce", "loop"), 0.5),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Assumptions:
-    """Efficiencies, latencies and overlap fractions; anything not in `overlap` is exposed."""
-
-    compute_efficiency: float = 0.5
-    precision: str = "bf16"
-    link_efficiency: tuple = (("scale_up", 0.8), ("scale_out", 0.85))
-    latency_s: tuple = (("scale_up", 2e-6), ("scale_out", 5e-6))  # per ring hop
-    overlap: tuple = DEFAULT_OVERLAP
-
-    def overlap_of(self, c: Collective) -> float:
-        return dict(self.overlap).get((c.tier, c.kind, c.phase), 0.0)
+    @property
+    def compute_scale(self) -> float:
+        return self.stage_imbalance / (1.0 - self.bubble)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +113,15 @@ class Prediction:
 
     step_s: float
     tokens_per_s: float
-    tflops_per_gpu: float
-    mfu: float
+    tflops_per_gpu: float  # model FLOPs
+    mfu: float  # against the peak of each class's precision
+    mfu_bf16_peak: float
+    executed_tflops_per_gpu: float
+    exposed_fraction: float  # (step - compute) / step
     bound: str
     fits: bool
     contributions: dict  # seconds each part adds to the step
+    critical: dict  # seconds each part holds the critical path (the bound is the largest)
 
 
 def hops(kind: str, peers: int) -> int:
@@ -173,10 +132,10 @@ def hops(kind: str, peers: int) -> int:
 
 
 def collective_seconds(c: Collective, system: System, a: Assumptions) -> float:
-    """Latency plus bytes over (bandwidth x efficiency) of one class of collectives."""
+    """Latency plus bytes over (bandwidth x efficiency of its kind) of one class of collectives."""
     bandwidth = {"scale_up": system.scale_up_gb_s, "scale_out": system.scale_out_gb_s}[c.tier] * GB
-    latency = dict(a.latency_s)[c.tier] * c.launches * hops(c.kind, c.peers)
-    return latency + c.bytes / (bandwidth * dict(a.link_efficiency)[c.tier])
+    latency = a.latency_of(c.tier) * c.launches * hops(c.kind, c.peers)
+    return latency + c.bytes / (bandwidth * a.link_of(c.tier, c.kind))
 
 
 def _label(c: Collective) -> str:
@@ -185,35 +144,71 @@ def _label(c: Collective) -> str:
     return "expert all-to-all" if "all-to-all" in c.kind else "scale-up traffic"
 
 
-def predict(w: Workload, system: System, a: Assumptions = Assumptions()) -> Prediction:
+def _overlap(c: Collective, w: Workload, a: Assumptions) -> float:
+    if c.tier == "scale_up" and "all-to-all" in c.kind and c.phase == "loop" and w.a2a_independent_chains:
+        return max(a.a2a_batch_split_overlap, a.overlap_of(c.tier, c.kind, c.phase))
+    return a.overlap_of(c.tier, c.kind, c.phase)
+
+
+def compute_seconds(w: Workload, system: System, a: Assumptions) -> tuple[float, float]:
+    """(executed FLOPs' time at compute_efficiency, model FLOPs' time at 100% of their peaks)."""
+    bf16, fp8 = system.peak_tflops("bf16") * 1e12, system.peak_tflops("fp8") * 1e12
+    executed, executed_fp8 = w.executed
+    t_exec = ((executed - executed_fp8) / bf16 + executed_fp8 / fp8) / a.compute_efficiency
+    t_model_peak = (w.flops_per_device - w.fp8_flops_per_device) / bf16 + w.fp8_flops_per_device / fp8
+    return t_exec, t_model_peak
+
+
+def predict(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -> Prediction:
     """Step time and throughput of `w` on `system` under `a` (the module docstring's model)."""
-    peak = system.peak_tflops(a.precision) * 1e12
-    fp8_peak = system.peak_tflops("fp8") * 1e12
-    other = w.flops_per_device - w.fp8_flops_per_device
-    t_compute = (other / peak + w.fp8_flops_per_device / fp8_peak) / a.compute_efficiency
+    t_compute, t_peak = compute_seconds(w, system, a)
     contributions = {"compute": t_compute}
-    if w.compute_scale != 1.0:
-        contributions["pipeline bubble"] = t_compute * (w.compute_scale - 1.0)
-    t_compute *= w.compute_scale  # the stages' timeline, idle ticks included: traffic hides under it
-    hidden = {tier: 0.0 for tier in TIERS}
-    hidden_by_label: dict[str, float] = {}
+    timeline = t_compute / (1.0 - w.bubble) * w.stage_imbalance
+    if w.bubble:
+        contributions["pipeline bubble"] = t_compute * w.bubble / (1.0 - w.bubble)
+    if w.stage_imbalance != 1.0:
+        contributions["stage imbalance"] = t_compute * (w.stage_imbalance - 1.0) / (1.0 - w.bubble)
+    executed = w.executed[0]
+    forward_share = w.flops_per_device / 3.0 / executed if executed else 0.0
+    beside = {"forward": timeline * forward_share, "backward": timeline * (1 - forward_share), "other": 0.0}
+    hidden = {(p, tier): 0.0 for p in PASSES for tier in TIERS}
+    hidden_by_label: dict[tuple, float] = {}
     for c in w.collectives:
-        t, share = collective_seconds(c, system, a), a.overlap_of(c)
-        hidden[c.tier] += share * t
-        hidden_by_label[_label(c)] = hidden_by_label.get(_label(c), 0.0) + share * t
+        t, share = collective_seconds(c, system, a), _overlap(c, w, a)
+        hidden[(c.pass_, c.tier)] += share * t
+        key = (c.pass_, _label(c))
+        hidden_by_label[key] = hidden_by_label.get(key, 0.0) + share * t
         contributions[_label(c)] = contributions.get(_label(c), 0.0) + (1 - share) * t
-    base = max(t_compute, *hidden.values())
-    if base > t_compute:  # hidden traffic longer than compute: the excess goes to its fabric's labels
-        tier = max(TIERS, key=lambda k: hidden[k])
-        labels = [k for k in hidden_by_label if (k == "cross-domain traffic") == (tier == "scale_out")]
-        for k in labels:
-            contributions[k] += (base - t_compute) * hidden_by_label[k] / hidden[tier]
-    contributions["memory"] = w.optimizer_bytes / (system.hbm_tb_s * 1e12)
+    critical = dict(contributions)
+    for p in PASSES:  # a fabric whose hidden traffic outlasts the pass's compute extends the step
+        tier = max(TIERS, key=lambda k: hidden[(p, k)])
+        excess = hidden[(p, tier)] - beside[p]
+        if excess <= 0:
+            continue
+        for (q, label), t in hidden_by_label.items():
+            if q == p and (label == "cross-domain traffic") == (tier == "scale_out") and t > 0:
+                contributions[label] += excess * t / hidden[(p, tier)]
+                # On the critical path the traffic holds the pass's whole time, compute none of it.
+                critical[label] += (excess + beside[p]) * t / hidden[(p, tier)]
+        critical["compute"] -= beside[p] * t_compute / timeline if timeline else 0.0
+    contributions["memory"] = critical["memory"] = w.optimizer_bytes / (system.hbm_tb_s * 1e12)
     step = sum(contributions.values())
     fits = w.memory_bytes <= system.hbm_gb * GB
-    bound = max(contributions, key=contributions.get) if fits else "memory (does not fit)"
+    bound = max(critical, key=critical.get) if fits else "memory (does not fit)"
     tflops = w.flops_per_device / step / 1e12
-    return Prediction(step, w.tokens_per_step / step, tflops, tflops * 1e12 / peak, bound, fits, contributions)
+    return Prediction(
+        step_s=step,
+        tokens_per_s=w.tokens_per_step / step,
+        tflops_per_gpu=tflops,
+        mfu=t_peak / step,
+        mfu_bf16_peak=tflops / system.peak_tflops("bf16"),
+        executed_tflops_per_gpu=executed / step / 1e12,
+        exposed_fraction=(step - t_compute) / step,
+        bound=bound,
+        fits=fits,
+        contributions=contributions,
+        critical=critical,
+    )
 
 
 def pipeline_compute_scale(parts: dict, layers_per_chunk, bubble: float) -> dict:
@@ -260,10 +255,34 @@ def scale_replicas(w: Workload, factor: int) -> Workload:
     )
 
 
-def retention(small: Workload, large: Workload, system: System, a: Assumptions = Assumptions()) -> float:
+def retention(small: Workload, large: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Per-GPU throughput of `large` over that of `small` (1.0 = perfect weak scaling)."""
     ps, pl = predict(small, system, a), predict(large, system, a)
     return (pl.tokens_per_s / large.devices) / (ps.tokens_per_s / small.devices)
+
+
+def combine_bins(sizes: list[float], threshold: float) -> int:
+    """Collectives left after XLA's combiner packs ops of `sizes` bytes, in program order, into
+    groups of at most `threshold` bytes (an op larger than it stays alone); 0 threshold: none merge."""
+    if threshold <= 0:
+        return len(sizes)
+    bins, current = 0, None
+    for size in sizes:
+        if current is None or current + size > threshold:
+            bins, current = bins + 1, size
+        else:
+            current += size
+    return bins
+
+
+def result_bytes(row: dict) -> float:
+    """The result bytes of one run of a collective row (the size XLA's combine thresholds count)."""
+    p, moved = max(row["peers"], 2), row["bytes_per_run"]
+    return {
+        "all-gather": moved * p / (p - 1),
+        "reduce-scatter": moved / (p - 1),
+        "all-reduce": moved * p / (2 * (p - 1)),
+    }.get(row["kind"], moved)
 
 
 def workload_from_ops(
@@ -273,21 +292,37 @@ def workload_from_ops(
     devices: int,
     memory_bytes: float = 0.0,
     optimizer_bytes: float = 0.0,
+    combine_bytes: dict | None = None,
 ) -> Workload:
     """A Workload from maxmoe.analysis.hlo.collective_ops rows (as the GPU moves them: maxmoe.analysis.dry_run.as_on_gpu).
 
-    Rows group into classes by (tier, kind, phase); phase "step" = rows that run once.
+    Rows group into classes by (tier, kind, phase, pass); phase "step" = rows outside every
+    loop (`in_loop` false; without the key, rows that run once). Launches per class: each
+    run of each row, or with `combine_bytes` ({kind: threshold}, maxmoe.xla_flags'
+    combine_thresholds of the system's profile) the combined collectives: rows of a kind in
+    `combine_bytes` that share computation, pass, tier and group size pack into
+    `combine_bins` of their result bytes, once per run.
     """
+    combine_bytes = combine_bytes or {}
     classes: dict[tuple, list] = {}
+    merged: dict[tuple, list] = {}
     for r in rows:
-        key = ("scale_out" if r["cross_domain"] else "scale_up", r["kind"], "step" if r["runs"] == 1 else "loop")
+        tier = "scale_out" if r["cross_domain"] else "scale_up"
+        looped = r.get("in_loop", r["runs"] > 1)
+        key = (tier, r["kind"], "loop" if looped else "step", r.get("pass", "backward"))
         total = classes.setdefault(key, [0.0, 0, 2])
         total[0] += r["bytes"]
-        total[1] += r["runs"]
         total[2] = max(total[2], r["peers"])
+        if r["kind"] in combine_bytes:
+            group = (key, r.get("computation", r.get("name")), r["peers"], r["runs"])
+            merged.setdefault(group, []).append(result_bytes(r))
+        else:
+            total[1] += r["runs"]
+    for (key, _, _, runs), sizes in merged.items():
+        classes[key][1] += combine_bins(sizes, combine_bytes[key[1]]) * runs
     collectives = tuple(
-        Collective(kind, tier, size, launches, peers, phase)
-        for (tier, kind, phase), (size, launches, peers) in sorted(classes.items())
+        Collective(kind, tier, size, launches, peers, phase, pass_)
+        for (tier, kind, phase, pass_), (size, launches, peers) in sorted(classes.items())
     )
     return Workload(flops_per_device, tokens_per_step, devices, collectives, memory_bytes, optimizer_bytes)
 
@@ -300,14 +335,19 @@ def optimizer_bytes(param_count: float, devices: int) -> float:
     return param_count * 28 / devices
 
 
-def report(w: Workload, system: System, a: Assumptions = Assumptions(), scale: int = 4) -> dict:
-    """The prediction as a dict, with per-GPU retention when the replicas grow `scale`-fold."""
+def report(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS, scale: int = 4) -> dict:
+    """The prediction as a dict, with per-GPU retention when the replicas grow `scale`-fold, and
+    every assumption with its source."""
     p = predict(w, system, a)
     larger = scale_replicas(w, scale)
     return {
         "system": system.name,
-        "assumptions": dataclasses.asdict(a),
+        "assumptions": table(a),
         **dataclasses.asdict(p),
+        "flops_per_device": w.flops_per_device,
+        "executed_flops_per_device": w.executed[0],
+        "fp8_executed_flops_per_device": w.executed[1],
+        "launches": {f"{c.tier}/{c.kind}/{c.phase}/{c.pass_}": c.launches for c in w.collectives},
         f"retention_at_{w.devices * scale}_devices": retention(w, larger, system, a),
         "tflops_per_gpu_at_scale": predict(larger, system, a).tflops_per_gpu,
     }
