@@ -29,6 +29,7 @@ from maxmoe.config import ConfigError, UserError, load_config
 from maxmoe.training import step as step_lib
 from maxmoe.training.metrics import truncate_after
 from maxmoe.training.optim import make_optimizer
+from maxmoe.training.resume import resume_changes
 from maxmoe.training.run_dir import LOCK_NAME, claim_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -367,6 +368,20 @@ def test_safe_changes_resume_and_allowed_changes_are_said(saved_run, capsys):
     with resume(saved_run, **{"train.seed": 1, "checkpoint.allow_config_change": "true", "run.progress": "plain"}):
         pass
     assert "changed config (checkpoint.allow_config_change): train.seed: 0 there, 1 here" in capsys.readouterr().out
+
+
+def test_data_source_is_compared_as_the_data_it_reads():
+    """A run stored with data.source=stdlib (configs written before `auto`) resumes under
+    data.source=auto with no path, which reads the same corpus; a source that reads other data is
+    a change, and so is a path given to auto."""
+    auto = load_config(TINY, {"data.source": "auto"})
+    stored = auto.to_dict()
+    stored["data"] = {**stored["data"], "source": "stdlib"}
+    assert resume_changes(stored, auto) == []
+    assert resume_changes(stored, auto.override("data.source=synthetic")) == [
+        "data.source: 'stdlib' there, 'synthetic' here"
+    ]
+    assert "data.source: 'stdlib' there, 'shards' here" in resume_changes(stored, auto.override("data.path=corpus"))
 
 
 def test_resuming_without_clipping_says_the_optimizer_changed(saved_run):

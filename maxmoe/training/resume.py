@@ -47,14 +47,26 @@ def resume_changes(saved: Any, config: Config) -> list[str]:
     if not isinstance(saved, dict):
         return []
     here, changes = config.to_dict(), []
+    here["data"]["source"] = config.data.kind
     for section, free in RESUME_FREE.items():
         there = saved.get(section)
         if not isinstance(there, dict):
             continue
+        if section == "data":
+            there = {**there, "source": _data_kind(there)}
         for key in sorted(set(here[section]) & set(there)):
             if key not in free and there[key] != here[section][key]:
                 changes.append(f"{section}.{key}: {there[key]!r} there, {here[section][key]!r} here")
     return changes
+
+
+def _data_kind(data: dict) -> Any:
+    """data.source of a stored config with `auto` resolved as DataConfig.kind does (a run stored
+    with `stdlib` and one with `auto` and no path read the same data)."""
+    source = data.get("source")
+    if source != "auto":
+        return source
+    return "shards" if data.get("path") or data.get("mixture") else "stdlib"
 
 
 def optimizer_hint(saved_config: Any, config: Config) -> str:
