@@ -11,12 +11,10 @@ ms of forward+backward, TFLOP/s on the causal useful FLOPs (forward 2 x B x H x 
 """
 
 import argparse
-import json
-import os
-import shlex
 import sys
 import time
-from pathlib import Path
+
+from results import command_line, rows_writer
 
 IMPLEMENTATIONS = ("xla", "chunked", "triton", "cudnn", "tokamax")
 QK, V = 192, 128
@@ -110,16 +108,9 @@ def main(argv=None):
     cases = args.case or [(1, 128, 4096), (8, 16, 4096)]
     names = args.impl or list(IMPLEMENTATIONS)
     device = jax.devices()[0]
-    command = " ".join(
-        shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
-    )
+    command = command_line()
 
-    def write(rows):
-        """The rows so far, so a run cut off by its time limit keeps what it measured."""
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            result = {"command": command, "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows}
-            Path(args.json).write_text(json.dumps(result, indent=1))
+    write = rows_writer(args.json, command=command, device_kind=device.device_kind, jax=jax.__version__)
 
     rows = []
     for case in cases:

@@ -32,9 +32,6 @@ policy around the layer), with and without moe.overlap=batch_split and moe.a2a_c
 
 import argparse
 import dataclasses
-import os
-import shlex
-import sys
 import time
 
 import jax
@@ -42,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from results import command_line
 
 from maxmoe import runtime
 from maxmoe.analysis.hlo import collective_bytes
@@ -178,12 +176,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     runtime.use_cpu_devices(args.devices, force=False)  # fake CPU devices unless JAX_PLATFORMS names a platform
-    print(
-        "$ "
-        + " ".join(
-            shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
-        )
-    )
+    print(f"$ {command_line()}")
     print(
         f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, float32, "
         f"mesh data=1 x expert={args.devices} x tensor=1, forward only\n"

@@ -17,13 +17,10 @@ training; under ragged_dot XLA's program.
 """
 
 import argparse
-import json
-import os
-import shlex
 import sys
-from pathlib import Path
 
 from grouped_matmul import gemm_table, timed
+from results import command_line, rows_writer
 
 SHAPES = {
     "671b": {"dense": dict(m=16384, k=7168, n=2048), "grouped": dict(rows=65536, groups=4, d=7168, f=2048)},
@@ -138,9 +135,7 @@ def main(argv=None):
     import jax
 
     recipes = ["bf16"] + (args.recipe or list(RECIPES[1:]))
-    command = " ".join(
-        shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
-    )
+    command = command_line()
     device = jax.devices()[0]
     from maxmoe.kernels.choice import resolve_grouped_matmul, target
 
@@ -149,19 +144,14 @@ def main(argv=None):
     except ConfigError as e:  # a backend that cannot run here
         parser.error(str(e))
 
-    def write(rows):
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            result = {"command": command, "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows}
-            Path(args.json).write_text(json.dumps(result, indent=1))
+    write = rows_writer(args.json, command=command, device_kind=device.device_kind, jax=jax.__version__)
 
     rows = []
     for name in args.shape or ["671b"]:
         done = list(rows)
         rows += run_shape(name, SHAPES[name], recipes, args.repeats, lambda new, done=done: write(done + new), backend)
-    print(f"$ {command}")
-    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, operands bf16, grouped backend {backend}")
-    print(format_table(rows))
+    header = f"jax {jax.__version__}, {device.platform} {device.device_kind}, operands bf16, grouped backend {backend}"
+    print(f"$ {command}\n{header}\n{format_table(rows)}")
     write(rows)
     return 0
 

@@ -18,12 +18,10 @@ run here is listed with the reason. --peak N also times one bf16 N^3 matmul.
 """
 
 import argparse
-import json
-import os
-import shlex
 import sys
 import time
-from pathlib import Path
+
+from results import command_line, rows_writer
 
 SHAPES = {
     "proxy": dict(rows=262144, groups=64, d=2048, f=512),
@@ -215,29 +213,21 @@ def main(argv=None):
         shapes[name] = SHAPES.get(name) or dict(rows=args.rows, groups=args.groups, d=args.d, f=args.f)
     backends = args.backend or list(BACKENDS)
     backends = ["dense"] + [b for b in backends if b != "dense"]
-    command = " ".join(
-        shlex.quote(a) for a in [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", sys.executable] + sys.argv
-    )
+    command = command_line()
     device = jax.devices()[0]
     peak = matmul_peak(args.peak, getattr(jnp, args.dtype), args.repeats) if args.peak else None
     rows = []
 
-    def write(rows):
-        """The rows so far, so a run cut off by its time limit keeps what it measured."""
-        if not args.json:
-            return
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "command": command,
-            "device_kind": device.device_kind,
-            "jax": jax.__version__,
-            "dtype": args.dtype,
-            "valid": args.valid,
-            "peak": peak,
-            "shapes": shapes,
-            "rows": rows,
-        }
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write = rows_writer(
+        args.json,
+        command=command,
+        device_kind=device.device_kind,
+        jax=jax.__version__,
+        dtype=args.dtype,
+        valid=args.valid,
+        peak=peak,
+        shapes=shapes,
+    )
 
     write(rows)
     for name, shape in shapes.items():

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from maxmoe.analysis.hlo import STABLEHLO_COLLECTIVES, count_collectives
 from maxmoe.analysis.hlo_deps import independent_chains, marker_dependencies
-from maxmoe.analysis.lowering import lower_train_step
+from maxmoe.analysis.lowering import lower_train_step, moe_layer_lowered_text
 from maxmoe.config import load_config
-from maxmoe.model.moe import MoE
 from maxmoe.parallel.layout import build_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,21 +121,7 @@ def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot(fp8):
 
 def moe_layer_text(overlap):
     """One MoE layer of tiny, forward and backward (the cotangent an input), lowered for CUDA."""
-    config = load_config([TINY], SMALL + [f"moe.overlap={overlap}"])
-    layout = build_layout(config, jax.devices()[:8], platform="cuda")
-    module = MoE(config.model, jnp.float32, layout)
-    x = jax.ShapeDtypeStruct((8, 16, config.model.hidden_size), jnp.float32)
-    variables = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), x))
-
-    def forward_backward(params, router, x, dy):
-        def layer(params, x):
-            return module.apply({"params": params, "router": router}, x, mutable=["moe_stats"])[0]
-
-        y, vjp = jax.vjp(layer, params, x)
-        return y, vjp(dy)
-
-    lowered = jax.jit(forward_backward).trace(variables["params"], variables["router"], x, x)
-    return lowered.lower(lowering_platforms=("cuda",)).as_text()
+    return moe_layer_lowered_text(load_config([TINY], SMALL + [f"moe.overlap={overlap}"]), jax.devices()[:8])
 
 
 def two_chains_text(coupled):

@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from planner_system import IDEAL, SYSTEM
 
 from maxmoe.analysis.dry_run import as_on_gpu, pipeline_report, step_workload
 from maxmoe.analysis.planner import (
@@ -17,7 +18,6 @@ from maxmoe.analysis.planner import (
     SYSTEMS,
     Assumptions,
     Collective,
-    System,
     Workload,
     collective_seconds,
     optimizer_bytes,
@@ -32,11 +32,6 @@ from maxmoe.config import load_config
 from maxmoe.flops import flops_per_token, flops_per_token_by_part
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEM = System("test", 1000.0, 2000.0, 100.0, 1.0, 500.0, 100.0, 8)
-FULL_LINKS = tuple(((tier, kind), 1.0) for tier in ("scale_up", "scale_out") for kind in KINDS)
-IDEAL = Assumptions(
-    compute_efficiency=0.5, link_efficiency=FULL_LINKS, latency_s=(("scale_up", 0.0), ("scale_out", 0.0))
-)
 
 
 def workload(*collectives, **kwargs):

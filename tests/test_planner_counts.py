@@ -2,7 +2,7 @@
 link efficiency per kind, hidden traffic per pass, the binding term, bubble and imbalance apart,
 assumptions by name (`sweep --assume`, `--replan`) and the system's memory for `fits`.
 
-The made-up system of tests/test_planner.py: 1,000 TFLOP/s bf16 (2,000 fp8), 100 GB of HBM at
+The made-up system of tests/planner_system.py: 1,000 TFLOP/s bf16 (2,000 fp8), 100 GB of HBM at
 1 TB/s, 500 GB/s NVLink and 100 GB/s scale-out per GPU; compute at efficiency 0.5, so 1e15 FLOP
 take 2 s.
 """
@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from planner_system import IDEAL, SYSTEM
 
 from maxmoe import sweep
 from maxmoe.analysis import assumptions as assumptions_lib
@@ -19,11 +20,9 @@ from maxmoe.analysis.dry_run import combine_thresholds, step_workload
 from maxmoe.analysis.hlo import collective_ops, dot_flops_by_pass
 from maxmoe.analysis.planner import (
     GB,
-    KINDS,
     SYSTEMS,
     Assumptions,
     Collective,
-    System,
     Workload,
     collective_seconds,
     combine_bins,
@@ -34,11 +33,6 @@ from maxmoe.config import load_config
 from maxmoe.flops import PEAK_TFLOPS_BF16, flops_per_token_by_class, recompute_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEM = System("test", 1000.0, 2000.0, 100.0, 1.0, 500.0, 100.0, 8)
-FULL_LINKS = tuple(((tier, kind), 1.0) for tier in ("scale_up", "scale_out") for kind in KINDS)
-IDEAL = Assumptions(
-    compute_efficiency=0.5, link_efficiency=FULL_LINKS, latency_s=(("scale_up", 0.0), ("scale_out", 0.0))
-)
 MIB = 1 << 20
 
 
