@@ -70,6 +70,7 @@ class Trainer:
         self.expert_loads: list[tuple[int, np.ndarray]] = []
         self.stop_reason: str | None = None
         self.logger = None
+        devices = runtime.check_inputs(config, devices)
         # Before any jax computation starts a backend: host devices, XLA flags, jax.distributed.
         flags = runtime.setup(config)
         self.config = config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
