@@ -496,6 +496,8 @@ def load_config(
         p = Path(path)
         if p.is_dir():
             raise ConfigError(f"config file {path} is a folder; name a YAML file")
+        if p.exists() and not p.is_file():
+            raise ConfigError(f"config file {path} is not a regular file")
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
@@ -508,6 +510,8 @@ def load_config(
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""
             raise ConfigError(f"{path}{where}: not valid YAML") from None
+        except RecursionError:  # the YAML composer recurses once per level of nesting
+            raise ConfigError(f"{path}: not valid YAML (nested too deeply)") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
         for section, updates in doc.items():

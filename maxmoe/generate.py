@@ -99,11 +99,17 @@ def tokenizer_for(folder: str | Path, spec: str = "") -> ByteTokenizer | JsonTok
             f"no tokenizer for {folder}: it has no tokenizer.json and no training config; "
             f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
         )
-    run_config = load_config(config_path)
-    if run_config.data.source in ("stdlib", "synthetic"):
-        return ByteTokenizer()
-    data_folder = data_folders(run_config)[0][0]  # a mixture's folders share one vocabulary
-    name = read_meta(data_folder).get("tokenizer", "")
+    try:
+        run_config = load_config(config_path)
+        if run_config.data.source in ("stdlib", "synthetic"):
+            return ByteTokenizer()
+        data_folder = data_folders(run_config)[0][0]  # a mixture's folders share one vocabulary
+        name = read_meta(data_folder).get("tokenizer", "")
+    except UserError as e:  # e.g. a relative data.path, run from another directory
+        raise UserError(
+            f"no tokenizer for {folder}: the run's data cannot be read from here ({e}); "
+            f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
+        ) from None
     if name == "byte":
         return ByteTokenizer()
     if not name or not Path(name).is_file():
@@ -254,6 +260,8 @@ def build_parser() -> _Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if not 0 <= args.seed < 2**32:  # jax.random.key keeps 32 bits: larger seeds repeat smaller ones
+        raise UserError(f"--seed {args.seed}: expected 0 to {2**32 - 1}")
     folder = Path(args.run or args.checkpoint)
     if not folder.is_dir():
         raise UserError(f"{'--run' if args.run else '--checkpoint'} {folder}: no such folder")

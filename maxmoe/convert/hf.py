@@ -65,10 +65,11 @@ import numpy as np
 import yaml
 from flax import traverse_util
 
+from maxmoe.cli import check_new_folder
 from maxmoe.config import Config, ModelConfig, TrainConfig, UserError, build_config
 from maxmoe.convert.fp8 import dequantize_fp8_blockwise, scale_grid_shape
 from maxmoe.convert.hf_config import model_config_from_hf
-from maxmoe.convert.output import check_new_folder, quiet_save, removed_on_failure, storage_error
+from maxmoe.convert.output import quiet_save, removed_on_failure, storage_error
 from maxmoe.model.transformer import abstract_variables
 from maxmoe.training.checkpoint import latest_step_of, load_params, save_params, saved_model_config
 

@@ -1,6 +1,6 @@
 """The output folder of a conversion: checked before any work, removed again if writing fails.
 
-    check_new_folder(out)              new or empty, and creatable where it is named
+    maxmoe.cli.check_new_folder(out)   new or empty, and creatable where it is named (first)
     with removed_on_failure(out): ...  whatever was written is removed on an error or a signal
     storage_error(e)                   "No space left on device" etc. for an error while writing
 
@@ -15,35 +15,14 @@ import logging
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-
-from maxmoe.config import UserError
 
 # What a failed write says, whether Python (OSError) or tensorstore (ValueError, message) reports it.
 _STORAGE_PROBLEMS = re.compile(
     r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|"
     r"Operation not permitted|File too large|Input/output error"
 )
-
-
-def check_new_folder(out: Path, flag: str = "--out") -> None:
-    """UserError unless `out` is new or an empty folder that a folder could be created in."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{flag} {out} is a file; choose a new folder")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"output {out} exists and is not empty; choose a new folder")
-    parent = next((p for p in out.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise UserError(f"{flag} {out}: {parent} is a file, not a folder")
-    if out.exists():
-        return
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.probe-").cleanup()
-    except OSError as e:
-        raise UserError(f"{flag} {out}: cannot create a folder in {out.parent} ({e.strerror or e})") from None
 
 
 @contextlib.contextmanager

@@ -25,10 +25,9 @@ import glob
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
-from maxmoe.cli import _Parser, main_guard
+from maxmoe.cli import _Parser, check_new_folder, main_guard
 from maxmoe.config import UserError
 from maxmoe.data import read_meta, stdlib_corpus
 from maxmoe.data.prepare import prepare_folder
@@ -70,20 +69,6 @@ def _input_files(patterns: list[str]) -> list[str]:
     return sorted(files)
 
 
-def _check_out(out: Path) -> None:
-    """--out must be new, and a folder must be creatable beside it (the token folder is built there)."""
-    if out.exists() or out.is_symlink():
-        raise UserError(f"--out {out} already exists; remove it or choose another folder")
-    parent = next((p for p in out.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise UserError(f"--out {out}: {parent} is a file, not a folder")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.probe-").cleanup()
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot create a folder in {out.parent} ({e.strerror or e})") from None
-
-
 def prepare(args: argparse.Namespace) -> None:
     """Tokenise the input files into a token folder at args.out."""
     out = Path(args.out)
@@ -92,7 +77,7 @@ def prepare(args: argparse.Namespace) -> None:
     if not 0 < args.eval_fraction < 1:  # also false for nan
         raise UserError(f"--eval-fraction {args.eval_fraction}: must be between 0 and 1 (exclusive)")
     files = _input_files(args.input)
-    _check_out(out)
+    check_new_folder(out, empty_ok=False)
     meta = prepare_folder(
         out,
         files,
