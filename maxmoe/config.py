@@ -722,6 +722,8 @@ def _validate_shards(data: DataConfig) -> None:
 
 # Upper limits of keys whose lower limits are declared with the field; each says why.
 MAX_CPU_DEVICES = 4096  # fake host devices: ~0.2 MB and threads each; 1,024-GPU dry runs need 1,024
+MAX_TOKEN_ID = 2**31 - 1  # tokens are int32 on the device
+MAX_BATCH_TOKENS = 2**31 - 1  # DeepSeek-V3 trained on 15,360 x 4,096 = 63M tokens per step
 MAX_SEED = 2**32 - 1  # jax.random.key keeps the low 32 bits: seed 2**32 would repeat seed 0
 
 
@@ -733,6 +735,13 @@ def _check_limits(config: Config) -> None:
         raise ConfigError(
             f"model.mtp_num_layers={m.mtp_num_layers} must be below train.seq_len={t.seq_len} "
             f"(multi-token prediction depth k needs a target k + 1 tokens ahead inside the sequence)"
+        )
+    if isinstance(m.vocab_size, int) and m.vocab_size > MAX_TOKEN_ID + 1:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: must be <= {MAX_TOKEN_ID + 1} (token ids are int32)")
+    if t.batch_size * t.seq_len > MAX_BATCH_TOKENS:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} x train.seq_len={t.seq_len} tokens per step: must be <= "
+            f"{MAX_BATCH_TOKENS:,} (the step's token batch is indexed in int32)"
         )
     if t.seed > MAX_SEED:
         raise ConfigError(f"train.seed={t.seed}: must be <= {MAX_SEED} (jax keeps 32 bits of a seed)")

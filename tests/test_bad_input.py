@@ -78,6 +78,8 @@ CONFIG_CASES = {
     "seed past 32 bits (would repeat seed 0)": (["train.seed=4294967296"], "must be <= 4294967295"),
     "integer past int64": (["train.steps=18446744073709551616"], "out of range"),
     "nan learning rate": (["train.lr=.nan"], "expected a finite number"),
+    "token ids past int32": (["model.vocab_size=2147483649"], "token ids are int32"),
+    "2**40 sequences per step (hung building the batch)": (["train.batch_size=1099511627776"], "tokens per step"),
     "extra flag without dashes": (["xla.extra_flags=[xla_foo=1]"], "is not an XLA flag"),
     "list where a number goes": (["train.steps=[1]"], "expected an integer"),
 }
