@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(
             f"the tokenizer's {tokenizer.vocab_size} tokens do not fit model.vocab_size={config.model.vocab_size}"
         )
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt = os.fsencode(args.prompt)  # the bytes as given, also when they are not UTF-8
+    prompt_ids = tokenizer.encode(prompt)
     new_ids = generate(
         config.model,
         variables,
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         eos_id=tokenizer.eos_id,
     )
     out = sys.stdout.buffer
-    out.write(args.prompt.encode("utf-8") + continuation(tokenizer, prompt_ids, new_ids) + b"\n")
+    out.write(prompt + continuation(tokenizer, prompt_ids, new_ids) + b"\n")
     out.flush()
     return 0
 

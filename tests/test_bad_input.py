@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, job_env
 
 import maxmoe
+from maxmoe import generate as generate_module
 from maxmoe import xla_flags
 from maxmoe.config import MAX_CPU_DEVICES, ConfigError, UserError, load_config
 from maxmoe.convert import hf, hf_export
@@ -424,3 +425,16 @@ def test_info_platform_and_report_inputs(tmp_path, capsys):
 )
 def test_sweep_arguments(argv, message, capsys):
     one_line(capsys, sweep_main(["--config", TINY, *argv]), message)
+
+
+def test_generate_takes_a_prompt_that_is_not_utf8_as_its_bytes(tmp_path, monkeypatch, capsysbinary):
+    # argv holds undecodable bytes as surrogates (it was a UnicodeEncodeError); a byte-level model
+    # continues the bytes themselves. The model is stubbed: this is about the prompt's way in and out.
+    config = load_config(TINY)
+    (tmp_path / "config.yaml").write_text(config.to_yaml())
+    monkeypatch.setattr(generate_module, "load_pretrained", lambda folder, dtype, compute_dtype: (config, {}))
+    seen = []
+    monkeypatch.setattr(generate_module, "generate", lambda model, variables, ids, **kw: seen.append(ids) or [ord("c")])
+    assert generate_main(["--run", str(tmp_path), "--prompt", os.fsdecode(b"\xffab"), "--max-new-tokens", "1"]) == 0
+    assert seen == [[0xFF, ord("a"), ord("b")]]
+    assert capsysbinary.readouterr().out == b"\xffabc\n"
