@@ -188,6 +188,14 @@ def generate(
     `jax.random.fold_in(jax.random.key(seed), i)`, so the same arguments give the same tokens.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if isinstance(prompt, (str, bytes)) or not all(
+        isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt
+    ):
+        raise UserError("the prompt must be token ids (integers); for text use generate_text or a tokenizer's encode")
+    if not isinstance(variables, dict) or "params" not in variables:
+        raise UserError(
+            "variables: expected {'params', 'router'} (a Trainer's variables, load_pretrained's second value)"
+        )
     prompt = [int(i) for i in prompt]
     if not prompt:
         raise UserError("the prompt is empty: give at least one token")
@@ -215,6 +223,8 @@ def generate(
 
 def generate_text(model: ModelConfig, variables: dict, prompt: str | bytes, tokenizer=None, **sampling) -> str:
     """The continuation of `prompt` as text (default tokenizer: bytes); `sampling` as for `generate`."""
+    if not isinstance(prompt, (str, bytes)):
+        raise UserError(f"generate_text: the prompt must be text (str or bytes), not {type(prompt).__name__}")
     tokenizer = tokenizer or ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt)
     new_ids = generate(model, variables, prompt_ids, eos_id=tokenizer.eos_id, **sampling)

@@ -122,8 +122,11 @@ def figure(source: Any, *, expert_loads: Sequence[tuple[int, Any]] | None = None
         expert_loads = expert_loads if expert_loads is not None else getattr(source, "expert_loads", None)
         run_dir = getattr(source, "run_dir", None)
         title = title if title is not None else str(run_dir or "")
-    else:
+    elif isinstance(source, (list, tuple)) and all(isinstance(r, dict) for r in source):
         records = list(source)
+    else:
+        raise UserError(f"figure: expected a run folder, a Trainer or a list of metrics records, not {source!r:.80}")
+    records = [r for r in records if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     fig = _matplotlib_figure()(figsize=(12, 10), layout="constrained")

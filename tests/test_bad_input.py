@@ -28,9 +28,11 @@ from maxmoe.convert import hf, hf_export
 from maxmoe.convert.__main__ import main as convert_main
 from maxmoe.data import prepare as prepare_module
 from maxmoe.data.__main__ import main as data_main
+from maxmoe.generate import generate, generate_text
 from maxmoe.generate import main as generate_main
 from maxmoe.info import main as info_main
 from maxmoe.model.transformer import Transformer, abstract_variables, shift_left
+from maxmoe.report import figure, write_report
 from maxmoe.report import main as report_main
 from maxmoe.sweep import main as sweep_main
 from maxmoe.train import main as train_main
@@ -438,3 +440,20 @@ def test_generate_takes_a_prompt_that_is_not_utf8_as_its_bytes(tmp_path, monkeyp
     assert generate_main(["--run", str(tmp_path), "--prompt", os.fsdecode(b"\xffab"), "--max-new-tokens", "1"]) == 0
     assert seen == [[0xFF, ord("a"), ord("b")]]
     assert capsysbinary.readouterr().out == b"\xffabc\n"
+
+
+def test_python_api_inputs_of_generate_and_report(tmp_path):
+    model = load_config(TINY).model
+    variables = {"params": {}, "router": {}}
+    for prompt in ("abc", [1.5], [True], b"ab"):
+        with pytest.raises(UserError, match="must be token ids"):
+            generate(model, variables, prompt)
+    with pytest.raises(UserError, match="variables: expected"):
+        generate(model, {}, [1, 2])
+    with pytest.raises(UserError, match="the prompt must be text"):
+        generate_text(model, variables, 5)
+    for source in (5, [1, 2]):
+        with pytest.raises(UserError, match="expected a run folder, a Trainer or a list of metrics records"):
+            figure(source)
+    with pytest.raises(UserError, match="not supported"):
+        write_report([{"step": 1, "loss": 2.0}], tmp_path / "report.xyz")
