@@ -9,7 +9,9 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from maxmoe.config import Config, UserError, _all_keys, describe_keys, load_config
 from maxmoe.data import resolve_vocab_size
@@ -76,6 +78,45 @@ def config_from_args(args: argparse.Namespace) -> Config:
         print(config.to_yaml(), end="")
         sys.exit(0)
     return config
+
+
+def check_new_folder(out: Path, flag: str = "--out", *, empty_ok: bool = True) -> None:
+    """UserError unless `out` is new (or, with `empty_ok`, an empty folder) and a folder can be made there.
+
+    Checked before any work, so a file on the way or a folder that cannot be written (/proc,
+    a read-only mount) is one line naming the option, not an error from deep inside the writer.
+    """
+    if out.is_symlink() and not out.exists():
+        raise UserError(f"{flag} {out} is a dangling symbolic link; choose a new folder")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag} {out} is a file; choose a new folder")
+    if out.exists() and not empty_ok:
+        raise UserError(f"{flag} {out} already exists; remove it or choose another folder")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output {out} exists and is not empty; choose a new folder")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UserError(f"{flag} {out}: {parent} is a file, not a folder")
+    if out.exists():
+        return
+    try:  # where the first missing folder goes; nothing is left behind
+        tempfile.TemporaryDirectory(dir=parent or Path.cwd(), prefix=f".{out.name}.probe-").cleanup()
+    except OSError as e:
+        raise UserError(f"{flag} {out}: cannot create a folder in {parent} ({e.strerror or e})") from None
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """UserError unless a file can be written at `path` (its folders are made on the way): checked
+    before the work whose result it holds, not after."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name a file")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UserError(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=parent or Path.cwd(), prefix=f".{path.name}.probe-").cleanup()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
 
 
 def main_guard(fn: Callable[..., int | None]) -> Callable[..., int]:

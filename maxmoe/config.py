@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -445,6 +446,8 @@ def _coerce(key: str, value: Any, kind: type, meta: dict) -> Any:
     elif kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}={value!r}: expected an integer{' or auto' if meta.get('auto') else ''}")
+        if not -(2**63) <= value < 2**63:  # past int64 nothing downstream (numpy, jax, C) can hold it
+            raise ConfigError(f"{key}={value}: out of range (a 64-bit integer)")
     elif kind is float:
         if isinstance(value, str):
             try:  # YAML 1.1 reads 1e-9 (no dot) as a string
@@ -505,13 +508,18 @@ def load_config(
 ) -> Config:
     """Merge YAML `files` in order over the defaults, apply overrides, validate.
 
-    `files` is one path or a list of them; `overrides` a list of `section.key=value` strings
-    (values read as YAML, as on the command line) or a dict {"section.key": value}.
+    `files` is one path or a list of them (None: none); `overrides` a list of `section.key=value`
+    strings (values read as YAML, as on the command line; one string is one override) or a
+    dict {"section.key": value}.
     """
     raw: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
-    files = [files] if isinstance(files, (str, Path)) else list(files)
+    files = _config_paths(files)
     for path in files:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {path} is a folder; name a YAML file")
+        if p.exists() and not p.is_file():
+            raise ConfigError(f"config file {path} is not a regular file")
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
@@ -524,6 +532,8 @@ def load_config(
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""
             raise ConfigError(f"{path}{where}: not valid YAML") from None
+        except RecursionError:  # the YAML composer recurses once per level of nesting
+            raise ConfigError(f"{path}: not valid YAML (nested too deeply)") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
         for section, updates in doc.items():
@@ -546,8 +556,28 @@ def default_run_dir(files: list) -> str:
     return "runs/" + "+".join(names)
 
 
-def _apply_overrides(raw: dict[str, dict], overrides: list[str] | tuple[str, ...] | dict[str, Any]) -> None:
-    """Merge `section.key=value` strings (or a {"section.key": value} dict) into `raw`."""
+def _config_paths(files: Any) -> list:
+    """`load_config`'s files as a list of paths: None is none, one path is a list of one."""
+    if files is None:
+        return []
+    if isinstance(files, (str, os.PathLike)):
+        return [files]
+    if isinstance(files, (list, tuple)) and all(isinstance(f, (str, os.PathLike)) for f in files):
+        return list(files)
+    raise ConfigError(f"config files {files!r}: expected a path or a list of paths")
+
+
+def _apply_overrides(raw: dict[str, dict], overrides: Any) -> None:
+    """Merge `section.key=value` strings (or a {"section.key": value} dict) into `raw`.
+
+    None is no overrides; one string is one override.
+    """
+    if overrides is None:
+        overrides = ()
+    elif isinstance(overrides, str):
+        overrides = (overrides,)
+    elif not isinstance(overrides, (list, tuple, dict)):
+        raise ConfigError(f"overrides {overrides!r}: expected a list of 'section.key=value' strings or a dict")
     if isinstance(overrides, dict):
         pairs = [(str(key), value) for key, value in overrides.items()]
     else:
@@ -667,6 +697,7 @@ def validate(config: Config) -> None:
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     _validate_shards(config.data)
+    _check_limits(config)
     if config.xla.memory_fraction > 1:
         raise ConfigError(
             f"xla.memory_fraction={config.xla.memory_fraction}: must be <= 1 (a share of the GPU's memory)"
@@ -740,6 +771,56 @@ def _validate_shards(data: DataConfig) -> None:
             raise ConfigError(f"data.mixture: weight {weight!r} of {folder}: expected a positive number")
 
 
+# Upper limits of keys whose lower limits are declared with the field; each says why.
+MAX_CPU_DEVICES = 4096  # fake host devices: ~0.2 MB and threads each; 1,024-GPU dry runs need 1,024
+MAX_TOKEN_ID = 2**31 - 1  # tokens are int32 on the device
+MAX_BATCH_TOKENS = 2**31 - 1  # DeepSeek-V3 trained on 15,360 x 4,096 = 63M tokens per step
+MAX_SEED = 2**32 - 1  # jax.random.key keeps the low 32 bits: seed 2**32 would repeat seed 0
+
+
+def _check_limits(config: Config) -> None:
+    """Upper limits and cross-key limits that `_field`'s ge/gt cannot say; one ConfigError each."""
+    m, t, d = config.model, config.train, config.data
+    if m.mtp_num_layers >= t.seq_len:
+        # Depth k predicts the token k + 1 ahead: at depth seq_len - 1 or more no position has a target.
+        raise ConfigError(
+            f"model.mtp_num_layers={m.mtp_num_layers} must be below train.seq_len={t.seq_len} "
+            f"(multi-token prediction depth k needs a target k + 1 tokens ahead inside the sequence)"
+        )
+    if isinstance(m.vocab_size, int) and m.vocab_size > MAX_TOKEN_ID + 1:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: must be <= {MAX_TOKEN_ID + 1} (token ids are int32)")
+    if t.batch_size * t.seq_len > MAX_BATCH_TOKENS:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} x train.seq_len={t.seq_len} tokens per step: must be <= "
+            f"{MAX_BATCH_TOKENS:,} (the step's token batch is indexed in int32)"
+        )
+    if t.seed > MAX_SEED:
+        raise ConfigError(f"train.seed={t.seed}: must be <= {MAX_SEED} (jax keeps 32 bits of a seed)")
+    for key, value, what in (
+        ("train.decay_fraction", t.decay_fraction, "the share of the steps after warmup that decays"),
+        ("train.min_lr_ratio", t.min_lr_ratio, "the final learning rate as a share of train.lr"),
+    ):
+        if value > 1:
+            raise ConfigError(f"{key}={value}: must be <= 1 ({what})")
+    if d.eval_fraction >= 1:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction}: must be below 1 (training needs tokens too)")
+    if config.run.cpu_devices > MAX_CPU_DEVICES:
+        raise ConfigError(
+            f"run.cpu_devices={config.run.cpu_devices}: must be <= {MAX_CPU_DEVICES} "
+            f"(each fake device costs host memory and threads)"
+        )
+    for flag in config.xla.extra_flags:
+        if not isinstance(flag, str) or not flag.startswith("--") or len(flag.strip()) < 3 or " " in flag.strip():
+            raise ConfigError(f"xla.extra_flags: {flag!r} is not an XLA flag (expected --xla_name=value)")
+
+
+def _check_coordinator_address(address: str) -> None:
+    """host:port, the port a number in 1..65535 ([v6::addr]:port for IPv6)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"dist.coordinator_address={address!r}: expected host:port (e.g. 10.0.0.1:1234)")
+
+
 def _check_dist(dist: DistConfig) -> None:
     """dist.coordinator_address / num_processes / process_id: all three, under explicit or auto mode.
 
@@ -766,6 +847,7 @@ def _check_dist(dist: DistConfig) -> None:
         if missing:
             why = "dist.mode=explicit" if dist.mode == "explicit" else f"{', '.join(given)} (explicit launch)"
             raise ConfigError(f"{why} also needs {', '.join(missing)}")
+        _check_coordinator_address(dist.coordinator_address)
         if dist.process_id >= dist.num_processes:
             raise ConfigError(
                 f"dist.process_id={dist.process_id} is outside 0..{dist.num_processes - 1} (dist.num_processes)"

@@ -87,10 +87,10 @@ def _cpu_only() -> bool:
     return detect_gpu_name() is None
 
 
-def _split_address(address: str) -> tuple[str, int]:
+def _split_address(address: str, source: str = "coordinator address") -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise UserError(f"coordinator address {address!r} is not host:port")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{source} {address!r} is not host:port (e.g. 10.0.0.1:1234)")
     return host.strip("[]"), int(port)
 
 
@@ -135,6 +135,8 @@ def initialize(dist_config: DistConfig) -> None:
         if launcher is None:
             return
         kwargs = auto_arguments()
+        if kwargs:  # jax would fail on a malformed address with an IndexError
+            _split_address(kwargs["coordinator_address"], "JAX_COORDINATOR_ADDRESS")
         many = kwargs.get("num_processes", 2) > 1
         launcher = f"dist.mode=auto ({launcher})"
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,11 +100,17 @@ def tokenizer_for(folder: str | Path, spec: str = "") -> ByteTokenizer | JsonTok
             f"no tokenizer for {folder}: it has no tokenizer.json and no training config; "
             f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
         )
-    run_config = load_config(config_path)
-    if run_config.data.kind in ("stdlib", "synthetic"):
-        return ByteTokenizer()
-    data_folder = data_folders(run_config)[0][0]  # a mixture's folders share one vocabulary
-    name = read_meta(data_folder).get("tokenizer", "")
+    try:
+        run_config = load_config(config_path)
+        if run_config.data.kind in ("stdlib", "synthetic"):
+            return ByteTokenizer()
+        data_folder = data_folders(run_config)[0][0]  # a mixture's folders share one vocabulary
+        name = read_meta(data_folder).get("tokenizer", "")
+    except UserError as e:  # e.g. a relative data.path, run from another directory
+        raise UserError(
+            f"no tokenizer for {folder}: the run's data cannot be read from here ({e}); "
+            f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
+        ) from None
     if name == "byte":
         return ByteTokenizer()
     if not name or not Path(name).is_file():
@@ -181,6 +188,14 @@ def generate(
     `jax.random.fold_in(jax.random.key(seed), i)`, so the same arguments give the same tokens.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if isinstance(prompt, (str, bytes)) or not all(
+        isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt
+    ):
+        raise UserError("the prompt must be token ids (integers); for text use generate_text or a tokenizer's encode")
+    if not isinstance(variables, dict) or "params" not in variables:
+        raise UserError(
+            "variables: expected {'params', 'router'} (a Trainer's variables, load_pretrained's second value)"
+        )
     prompt = [int(i) for i in prompt]
     if not prompt:
         raise UserError("the prompt is empty: give at least one token")
@@ -208,6 +223,8 @@ def generate(
 
 def generate_text(model: ModelConfig, variables: dict, prompt: str | bytes, tokenizer=None, **sampling) -> str:
     """The continuation of `prompt` as text (default tokenizer: bytes); `sampling` as for `generate`."""
+    if not isinstance(prompt, (str, bytes)):
+        raise UserError(f"generate_text: the prompt must be text (str or bytes), not {type(prompt).__name__}")
     tokenizer = tokenizer or ByteTokenizer()
     prompt_ids = tokenizer.encode(prompt)
     new_ids = generate(model, variables, prompt_ids, eos_id=tokenizer.eos_id, **sampling)
@@ -254,6 +271,8 @@ def build_parser() -> _Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if not 0 <= args.seed < 2**32:  # jax.random.key keeps 32 bits: larger seeds repeat smaller ones
+        raise UserError(f"--seed {args.seed}: expected 0 to {2**32 - 1}")
     folder = Path(args.run or args.checkpoint)
     if not folder.is_dir():
         raise UserError(f"{'--run' if args.run else '--checkpoint'} {folder}: no such folder")
@@ -269,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(
             f"the tokenizer's {tokenizer.vocab_size} tokens do not fit model.vocab_size={config.model.vocab_size}"
         )
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt = os.fsencode(args.prompt)  # the bytes as given, also when they are not UTF-8
+    prompt_ids = tokenizer.encode(prompt)
     new_ids = generate(
         config.model,
         variables,
@@ -282,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         eos_id=tokenizer.eos_id,
     )
     out = sys.stdout.buffer
-    out.write(args.prompt.encode("utf-8") + continuation(tokenizer, prompt_ids, new_ids) + b"\n")
+    out.write(prompt + continuation(tokenizer, prompt_ids, new_ids) + b"\n")
     out.flush()
     return 0
 

@@ -22,6 +22,8 @@ from maxmoe.analysis.lowering import lower_train_step, stage_spans
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.flops import count_params, flops_per_token
 
+PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")  # jax's platform names ('gpu' is cuda here)
+
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["cuda"],
         help="lower one train step for this platform and count its collectives (no GPU needed)",
     )
-    parser.add_argument("--platform", help="platform the kernels are chosen for: cpu, cuda (default: this one)")
+    parser.add_argument(
+        "--platform",
+        choices=PLATFORMS,
+        help="platform the kernels are chosen for: cpu, cuda (gpu), rocm, tpu (default: this one)",
+    )
     parser.add_argument("--device-kind", help='GPU model, e.g. "NVIDIA H200" or "NVIDIA GB300"')
     args = parser.parse_args(argv)
     config = config_from_args(args)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from maxmoe.cli import _Parser, main_guard
+from maxmoe.cli import _Parser, check_output_file, main_guard
 from maxmoe.config import ConfigError, UserError, build_model_config
 from maxmoe.flops import count_params
 from maxmoe.training.progress import format_duration
@@ -39,15 +39,22 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not Path(run_dir).is_dir():
         raise UserError(f"{run_dir}: no such run folder")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path} is not a file")
     if not path.is_file():
         raise UserError(f"{path} not found: not a training run folder, or no step was logged yet")
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")  # a damaged line is skipped, not fatal
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
             records.append(record)
     if not records:
         raise UserError(f"{path} holds no metrics records")
@@ -89,6 +96,11 @@ def run_summary(records: Sequence[dict], config: dict) -> str:
     return "; ".join(parts)
 
 
+def _is_number(value: Any) -> bool:
+    """A JSON number (not a boolean, not a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _layer_names(run_dir: Path | None, count: int) -> list[str]:
     """'layer 1', ..., 'MTP 1' when the run's config.yaml accounts for `count` MoE layers; else 'MoE 0', ..."""
     model = _run_config(run_dir).get("model") or {}
@@ -107,7 +119,7 @@ def layer_imbalance(
         width = max(len(r[LAYER_IMBALANCE_KEY]) for r in rows)
         matrix = np.full((width, len(rows)), np.nan)
         for j, r in enumerate(rows):
-            values = [np.nan if v is None else v for v in r[LAYER_IMBALANCE_KEY]]
+            values = [v if _is_number(v) else np.nan for v in r[LAYER_IMBALANCE_KEY]]
             matrix[: len(values), j] = values
         return [r["step"] for r in rows], matrix, True
     if expert_loads:
@@ -115,12 +127,12 @@ def layer_imbalance(
         if loads:
             columns = [load.max(-1) / np.maximum(load.mean(-1), 1e-9) for _, load in loads]
             return [step for step, _ in loads], np.stack(columns, axis=1), True
-    rows = [r for r in records if r.get("moe_imbalance") is not None]
+    rows = [r for r in records if _is_number(r.get("moe_imbalance"))]
     return [r["step"] for r in rows], np.array([[r["moe_imbalance"] for r in rows]], np.float64), False
 
 
 def _series(records: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -144,8 +156,11 @@ def figure(source: Any, *, expert_loads: Sequence[tuple[int, Any]] | None = None
         expert_loads = expert_loads if expert_loads is not None else getattr(source, "expert_loads", None)
         run_dir = getattr(source, "run_dir", None)
         config = source.config.to_dict() if hasattr(source, "config") else {}
-    else:
+    elif isinstance(source, (list, tuple)) and all(isinstance(r, dict) for r in source):
         records = list(source)
+    else:
+        raise UserError(f"figure: expected a run folder, a Trainer or a list of metrics records, not {source!r:.80}")
+    records = [r for r in records if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
     config = config or _run_config(run_dir)
     if title is None and run_dir is not None:
         title = Path(run_dir).resolve().name  # the run's name, not the folder it happens to sit in
@@ -222,6 +237,8 @@ def write_report(source: Any, out: str | Path | None = None, **kwargs) -> Path:
         fig.savefig(out, dpi=100)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write it ({e.strerror or e})") from None
+    except ValueError as e:  # matplotlib: a suffix it has no writer for
+        raise UserError(f"--out {out}: {str(e).splitlines()[0]} (use .png, .pdf or .svg)") from None
     return out
 
 
@@ -231,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run folder (holds metrics.jsonl)")
     parser.add_argument("--out", default=None, metavar="PNG", help="default: RUN_DIR/report.png")
     args = parser.parse_args(argv)
+    if args.out:
+        check_output_file(Path(args.out), "--out")
     print(f"maxmoe: wrote {write_report(args.run_dir, args.out)}")
     return 0
 

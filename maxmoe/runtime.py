@@ -22,7 +22,7 @@ import os
 import jax
 
 from maxmoe import distributed, xla_flags
-from maxmoe.config import Config, UserError
+from maxmoe.config import MAX_CPU_DEVICES, Config, UserError
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -41,6 +41,8 @@ def set_host_device_count(count: int) -> None:
     Once JAX has started, the count is fixed: asking for the count it has is fine, asking
     for another is a UserError (JAX would ignore it and the mesh would not fit).
     """
+    if isinstance(count, bool) or not isinstance(count, int) or count > MAX_CPU_DEVICES:
+        raise UserError(f"host device count {count!r}: expected an integer up to {MAX_CPU_DEVICES} (0: leave as is)")
     if count <= 0:
         return
     if xla_flags.backends_initialised():
@@ -59,6 +61,30 @@ def set_host_device_count(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except (AttributeError, RuntimeError):
         pass  # older jax reads the XLA flag above
+
+
+def check_inputs(config: Config, devices) -> list | None:
+    """A Trainer's arguments checked: `config` a Config, `devices` distinct jax devices or None (all).
+
+    Returns the devices as a list (or None). Checked before the backend starts or a run.dir
+    is claimed, so `Trainer(config, devices=["x"])` is one clear UserError, not a failure
+    deep inside the mesh.
+    """
+    if not isinstance(config, Config):
+        raise UserError(f"config: expected a maxmoe Config (maxmoe.load_config(...)), got {type(config).__name__}")
+    if devices is None:
+        return None
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise UserError(f"devices={devices!r}: expected a list of jax devices (e.g. jax.devices()[:4])")
+    devices = list(devices)
+    bad = next((d for d in devices if not isinstance(d, jax.Device)), None)
+    if bad is not None:
+        raise UserError(f"devices: {bad!r} is not a jax device (expected e.g. jax.devices()[:4])")
+    if not devices:
+        raise UserError("devices=[]: give at least one jax device, or None for all of them")
+    if len({(d.platform, d.id) for d in devices}) != len(devices):
+        raise UserError("devices: a device appears more than once")
+    return devices
 
 
 def use_cpu_devices(count: int, *, force: bool = True) -> None:

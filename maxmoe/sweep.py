@@ -50,8 +50,8 @@ from maxmoe.analysis.assumptions import Assumptions, assume
 from maxmoe.analysis.assumptions import table as assumption_table
 from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.analysis.planner import SYSTEMS
-from maxmoe.cli import config_from_args, main_guard, make_parser
-from maxmoe.config import SIZED_MESH_AXES, Config, ConfigError, UserError
+from maxmoe.cli import check_output_file, config_from_args, main_guard, make_parser
+from maxmoe.config import MAX_CPU_DEVICES, SIZED_MESH_AXES, Config, ConfigError, UserError
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
 from maxmoe.parallel.layout import Layout, build_layout
@@ -452,10 +452,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.config:
         raise UserError("--config FILE is required")
-    if args.devices is not None and args.devices <= 0:
-        raise UserError(f"--devices {args.devices}: expected a positive integer")
-    if (args.hbm_gb is not None and args.hbm_gb <= 0) or args.steps <= 0 or args.warmup < 0:
-        raise UserError("--hbm-gb and --steps must be positive, --warmup non-negative")
+    if args.devices is not None and (args.devices <= 0 or args.dry_run and args.devices > MAX_CPU_DEVICES):
+        limit = f" up to {MAX_CPU_DEVICES} (fake CPU devices)" if args.dry_run else ""
+        raise UserError(f"--devices {args.devices}: expected a positive integer{limit}")
+    if (
+        (args.hbm_gb is not None and not 0 < args.hbm_gb < math.inf) or args.steps <= 0 or args.warmup < 0
+    ):  # nan fails the first
+        raise UserError(
+            f"--hbm-gb {args.hbm_gb}, --steps {args.steps}, --warmup {args.warmup}: "
+            f"--hbm-gb and --steps must be positive (finite), --warmup non-negative"
+        )
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_file(Path(path), flag)  # before the sweep, not after it
     meshes = [parse_mesh(m) for m in args.mesh] or None
     try:
         pipelines = tuple(int(p) for p in args.pipeline.split(","))

@@ -35,6 +35,8 @@ to docs/PERFORMANCE.md.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib.metadata
 import os
 import re
@@ -360,6 +362,81 @@ def _check_flags(flags: list[str]) -> None:
             raise ConfigError(f"xla.extra_flags: {flag!r} is not an XLA flag (expected --xla_name=value)")
 
 
+# Parses XLA_FLAGS as a backend would, without starting one: building CompileOptions reads the
+# DebugOptions from the environment, and XLA aborts the process on an unknown flag or a value
+# it cannot read. Run in a child process, that abort is an answer instead of the end of this one.
+_PARSE_XLA_FLAGS = (
+    "try:\n    from jaxlib import xla_client\n"
+    "except ImportError:\n    from jax._src.lib import xla_client\n"
+    "xla_client.CompileOptions()\nprint('flags parsed')"
+)
+_ANY_BAD_VALUE = "--xla_backend_optimization_level=?"  # makes XLA print every flag it knows
+
+
+def _parse_in_child(flags: tuple[str, ...]) -> tuple[int, str]:
+    """(exit status, stderr) of a child process that parses `flags` as XLA_FLAGS; (0, '') if it cannot run."""
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "0"}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _PARSE_XLA_FLAGS], env=env, capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError):
+        return 0, ""  # no verdict: XLA checks them itself when the backend starts
+    return result.returncode, result.stderr
+
+
+def _near_flag_names() -> list[str]:
+    """Flag names to suggest for a misspelt one: every profile's, and those XLA's usage text lists.
+
+    XLA cuts its usage text short (a log line's size), so it names only some of its flags;
+    the profiles' are the ones users most often retype.
+    """
+    _, text = _parse_in_child((_ANY_BAD_VALUE,))
+    names = set(re.findall(r"^\s+--(\w+)=", text, re.MULTILINE))
+    for profile in XLA_PROFILES:
+        for expert_size in (1, ONE_SHOT_MAX_RANKS + 1):
+            for jaxlib in ((0, 10), NEW_RAGGED_FLAGS):
+                names.update(flag_name(flag) for flag, _ in describe(profile, expert_size, jaxlib))
+    return sorted(names)
+
+
+@functools.lru_cache(maxsize=16)
+def installed_flag_problem(flags: tuple[str, ...]) -> str | None:
+    """Why the installed jaxlib would refuse `flags` (an unknown name, a value it cannot read), or None.
+
+    Checked in a child process (about half a second), so the refusal is one line here rather
+    than XLA's abort and usage text when the backend starts.
+    """
+    if not flags:
+        return None
+    code, text = _parse_in_child(flags)
+    if code == 0 or "parse_flags_from_env" not in text and "Couldn't interpret" not in text:
+        return None  # parsed, or the child failed for another reason: XLA will tell at start-up
+    value = re.search(r"Couldn't interpret value (.*) for flag (\w+)", text) or re.search(
+        r"Illegal value for --(\w+) '(.*)'", text
+    )
+    if value:
+        name, given = value.groups() if value.re.pattern.startswith("Illegal") else value.groups()[::-1]
+        return f"--{name}={given}: the installed jaxlib cannot read this value"
+    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (\S+)", text)
+    if unknown:
+        name = flag_name(unknown.group(1))
+        near = difflib.get_close_matches(name, _near_flag_names(), n=1, cutoff=0.8)
+        hint = f"; did you mean --{near[0]}?" if near else ""
+        return f"{unknown.group(1)}: not a flag of the installed jaxlib{hint}"
+    line = next((ln for ln in text.splitlines() if "parse_flags_from_env" in ln), "")
+    return f"the installed jaxlib refuses them ({line.split('] ', 1)[-1].strip()[:200]})"
+
+
+def check_extra_flags(extra_flags: list[str]) -> None:
+    """ConfigError when the installed jaxlib would abort on `xla.extra_flags`; call before the backend starts."""
+    _check_flags(list(extra_flags))
+    problem = installed_flag_problem(tuple(extra_flags))
+    if problem:
+        version = ".".join(map(str, jaxlib_version()))
+        raise ConfigError(f"xla.extra_flags: {problem} (jaxlib {version})")
+
+
 def compose(existing_xla_flags: str, profile: str, extra_flags: list[str], expert_size: int = 1) -> str:
     """XLA_FLAGS with `profile` and `extra_flags` added under the user's `existing_xla_flags`.
 
@@ -432,6 +509,8 @@ def apply(config: Config, device_kind: str | None = None) -> list[str]:
         if warning:
             warnings.warn(warning, stacklevel=2)
     existing = os.environ.get("XLA_FLAGS", "")
+    if config.xla.extra_flags and not backends_initialised():
+        check_extra_flags(list(config.xla.extra_flags))
     composed = compose(existing, profile, list(config.xla.extra_flags), expert_size)
     if composed.split() != existing.split():
         if backends_initialised():

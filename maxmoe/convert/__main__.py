@@ -13,10 +13,12 @@ output folder) is one line and exit status 2.
 
 from __future__ import annotations
 
-import sys
+import math
 
-from maxmoe.cli import _Parser, main_guard
+from maxmoe.cli import _Parser, exit_with, main_guard
+from maxmoe.config import UserError
 from maxmoe.convert import hf, hf_export
+from maxmoe.convert.output import storage_error
 
 
 def build_parser() -> _Parser:
@@ -42,12 +44,22 @@ def build_parser() -> _Parser:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except OSError as e:  # what was written is gone again (maxmoe.convert.output)
+        where = f"{e.filename}: " if e.filename else ""
+        raise UserError(
+            f"{args.command}: {where}{storage_error(e) or e}; nothing was kept in --out {args.out}"
+        ) from None
+
+
+def _run(args) -> int:
     if args.command == "from-hf":
         out = hf.convert_from_hf(args.hf_dir, args.out, args.dtype)
         print(f"maxmoe: wrote {out}/checkpoints and {out}/config.yaml")
     else:
-        if args.shard_gb <= 0:
-            raise hf.UserError(f"--shard-gb={args.shard_gb}: must be > 0")
+        if not math.isfinite(args.shard_gb) or args.shard_gb <= 0:
+            raise UserError(f"--shard-gb {args.shard_gb}: expected a positive number of GiB")
         names = hf_export.convert_to_hf(
             args.checkpoint,
             args.out,
@@ -60,4 +72,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -65,9 +65,11 @@ import numpy as np
 import yaml
 from flax import traverse_util
 
+from maxmoe.cli import check_new_folder
 from maxmoe.config import Config, ModelConfig, TrainConfig, UserError, build_config
 from maxmoe.convert.fp8 import dequantize_fp8_blockwise, scale_grid_shape
 from maxmoe.convert.hf_config import model_config_from_hf
+from maxmoe.convert.output import quiet_save, removed_on_failure, storage_error
 from maxmoe.model.transformer import abstract_variables
 from maxmoe.training.checkpoint import latest_step_of, load_params, save_params, saved_model_config
 
@@ -256,10 +258,7 @@ class _Source:
 
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (ValueError, KeyError, AttributeError):
-                raise UserError(f"{index}: not a safetensors index (no 'weight_map')") from None
+            files = _index_files(index)
         elif (folder / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
@@ -290,6 +289,20 @@ class _Source:
             start, end = json.loads(f.read(header_size))[name]["data_offsets"]
         data = np.fromfile(path, dtype=np.uint8, count=end - start, offset=8 + header_size + start)
         return data.reshape(self.shape[name])
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard file names a model.safetensors.index.json maps tensors to; each must be a file name."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{index}: not a safetensors index (no 'weight_map')") from None
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{index}: weight_map is a {type(weight_map).__name__}, expected {{tensor: file}}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise UserError(f"{index}: weight_map[{name!r}] = {file!r}; expected a file name in the folder")
+    return sorted(set(weight_map.values()))
 
 
 def _validate(source: _Source, tensors: list[Tensor], block: tuple[int, int]) -> None:
@@ -337,6 +350,8 @@ def import_hf(folder: str | Path, dtype: str = "float32", scratch: Path | None =
     """
     folder = Path(folder)
     config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such folder (expected a Hugging Face model folder)")
     if not config_path.is_file():
         raise UserError(f"{folder}: no config.json (expected a Hugging Face model folder)")
     try:
@@ -412,15 +427,22 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path, dtype: str = "float32")
     out = Path(out)
     _check_empty(out)
     scratch = out / ".convert-scratch"
-    try:
-        m, variables = import_hf(hf_dir, dtype, scratch=scratch)
-        save_params(out, variables["params"], variables["router"], full_config(m))
-        (out / "config.yaml").write_text(config_yaml(m, str(hf_dir)))
-        for name in TOKENIZER_FILES:
-            if (Path(hf_dir) / name).is_file():
-                shutil.copyfile(Path(hf_dir) / name, out / name)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with removed_on_failure(out):
+        try:
+            m, variables = import_hf(hf_dir, dtype, scratch=scratch)
+            with quiet_save():
+                save_params(out, variables["params"], variables["router"], full_config(m))
+            (out / "config.yaml").write_text(config_yaml(m, str(hf_dir)))
+            for name in TOKENIZER_FILES:
+                if (Path(hf_dir) / name).is_file():
+                    shutil.copyfile(Path(hf_dir) / name, out / name)
+        except (OSError, ValueError) as e:  # orbax/tensorstore report a failed write as ValueError
+            problem = storage_error(e)
+            if problem is None:
+                raise
+            raise UserError(f"cannot write {out} ({problem}); nothing was kept there") from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 
@@ -428,8 +450,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _check_empty(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"output {out} exists and is not empty; choose a new folder")
+    check_new_folder(out)
 
 
 # ----------------------------------------------------------------------------- maxmoe checkpoints

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from etils import epath
 from maxmoe.config import ModelConfig, UserError
 from maxmoe.convert.hf import DEFAULT_SHARD_BYTES, _check_empty, _np_dtype, hf_tensors
 from maxmoe.convert.hf_config import hf_config_from_model
+from maxmoe.convert.output import removed_on_failure, storage_error
 from maxmoe.model.transformer import abstract_variables
 from maxmoe.training.checkpoint import check_fits, latest_step_of, saved_model_config, stored_arrays
 
@@ -105,27 +105,25 @@ def write_hf_folder(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        weight_map, total = {}, 0
-        for name, shard in zip(names, shards):
-            entries = [(t.name, kind(t), t.shape) for t in shard]
-            total += write_safetensors(
-                out / name, entries, lambda i, shard=shard: shard[i].join(get).astype(kind(shard[i])), {"format": "pt"}
-            )
-            weight_map.update(dict.fromkeys((t.name for t in shard), name))
-        if len(names) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        (out / "config.json").write_text(json.dumps(hf_config_from_model(m, dtype), indent=2) + "\n")
-    except BaseException:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        else:
-            for path in out.iterdir():
-                path.unlink(missing_ok=True)
-        raise
+        with removed_on_failure(out):
+            out.mkdir(parents=True, exist_ok=True)
+            weight_map, total = {}, 0
+            for name, shard in zip(names, shards):
+                entries = [(t.name, kind(t), t.shape) for t in shard]
+                total += write_safetensors(
+                    out / name,
+                    entries,
+                    lambda i, shard=shard: shard[i].join(get).astype(kind(shard[i])),
+                    {"format": "pt"},
+                )
+                weight_map.update(dict.fromkeys((t.name for t in shard), name))
+            if len(names) > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            (out / "config.json").write_text(json.dumps(hf_config_from_model(m, dtype), indent=2) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write {out} ({storage_error(e) or e}); nothing was kept there") from None
     return names
 
 

@@ -21,15 +21,41 @@ it once into a cached folder (maxmoe.data.text_cache).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
+import signal
 import sys
 from pathlib import Path
 
-from maxmoe.cli import _Parser, main_guard
+from maxmoe.cli import _Parser, check_new_folder, main_guard
 from maxmoe.config import UserError
 from maxmoe.data import read_meta, stdlib_corpus
 from maxmoe.data.prepare import prepare_folder
+
+MAX_WORKERS = max(256, 2 * (os.cpu_count() or 1))  # more processes than this only thrash
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived; raised where the main process is, so unfinished output is removed on the way out."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Within: SIGTERM raises Terminated (the default action would kill the process mid-write)."""
+
+    def handler(signum, frame):
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _input_files(patterns: list[str]) -> list[str]:
@@ -37,6 +63,8 @@ def _input_files(patterns: list[str]) -> list[str]:
     for pattern in patterns:
         matched = [p for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
         if not matched:
+            if Path(pattern).is_dir():
+                raise UserError(f"--input {pattern} is a folder; give a glob, e.g. '{pattern.rstrip('/')}/**/*.jsonl'")
             raise UserError(f"--input {pattern}: no files match")
         files.update(matched)
     return sorted(files)
@@ -45,11 +73,12 @@ def _input_files(patterns: list[str]) -> list[str]:
 def prepare(args: argparse.Namespace) -> None:
     """Tokenise the input files into a token folder at args.out."""
     out = Path(args.out)
-    if out.exists():
-        raise UserError(f"--out {out} already exists; remove it or choose another folder")
-    if args.workers < 1:
-        raise UserError(f"--workers {args.workers}: expected a positive number of processes")
+    if args.workers < 1 or args.workers > MAX_WORKERS:
+        raise UserError(f"--workers {args.workers}: expected a number of processes from 1 to {MAX_WORKERS}")
+    if not 0 < args.eval_fraction < 1:  # also false for nan
+        raise UserError(f"--eval-fraction {args.eval_fraction}: must be between 0 and 1 (exclusive)")
     files = _input_files(args.input)
+    check_new_folder(out, empty_ok=False)
     meta = prepare_folder(
         out,
         files,
@@ -108,17 +137,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.error("expected a command: prepare or stats (see --help)")
     try:
-        if args.command == "prepare":
-            prepare(args)
-        else:
-            if args.folder and args.path and args.folder != args.path:
-                raise UserError(f"stats: two folders given ({args.folder} and --path {args.path}); give one")
-            named = args.folder or args.path
-            folder = Path(named) if named else stdlib_corpus(args.cache_dir, 0.05)
-            _print_stats(folder, read_meta(folder))
+        with _sigterm_raises():
+            if args.command == "prepare":
+                prepare(args)
+            else:
+                if args.folder and args.path and args.folder != args.path:
+                    raise UserError(f"stats: two folders given ({args.folder} and --path {args.path}); give one")
+                named = args.folder or args.path
+                folder = Path(named) if named else stdlib_corpus(args.cache_dir, 0.05)
+                _print_stats(folder, read_meta(folder))
+    except Terminated:
+        print("maxmoe: stopped by SIGTERM; nothing was written", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except OSError as e:
-        raise UserError(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None
+        raise UserError(f"{_where(e, args)}{e.strerror or e}") from None
     return 0
+
+
+def _where(error: OSError, args: argparse.Namespace) -> str:
+    """'NAME: ' for an OSError's file; the token folder's scratch space beside --out is called --out."""
+    name = str(error.filename or "")
+    out = getattr(args, "out", None)
+    if out and Path(name).name.startswith(f".{Path(out).name}.tmp-"):
+        return f"--out {out}: "
+    return f"{name}: " if name else ""
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,13 +62,15 @@ def _jsonl_documents(path: str, text_key: str) -> Iterator[tuple[str, str]]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     raise UserError(f"{where}: not a valid JSON line") from None
+                except RecursionError:  # the decoder recurses once per level of nesting
+                    raise UserError(f"{where}: JSON nested too deeply to read") from None
                 if not isinstance(record, dict) or text_key not in record:
                     keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
                     raise UserError(
                         f"{where}: no key {text_key!r} (found: {keys}); name the text field with --text-key"
                     )
                 yield where, _text_of(record[text_key], where, text_key)
-    except (gzip.BadGzipFile, EOFError) as e:
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise UserError(f"{path}: not a readable gzip file ({e})") from None
 
 
@@ -84,7 +87,14 @@ def _parquet_documents(path: str, text_key: str) -> Iterator[tuple[str, str]]:
     if text_key not in columns:
         raise UserError(f"{path}: no column {text_key!r} (found: {', '.join(columns)}); name it with --text-key")
     row = 0
-    for batch in table.iter_batches(batch_size=1024, columns=[text_key]):
+    batches = table.iter_batches(batch_size=1024, columns=[text_key])
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # pyarrow's own error types for a damaged row group or page
+            raise UserError(f"{path}: unreadable after row {row} ({str(e).splitlines()[0][:200]})") from None
+        if batch is None:
+            return
         for value in batch.column(0).to_pylist():
             row += 1
             where = f"{path}:{row}"

@@ -17,7 +17,9 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +77,8 @@ _worker_encoder: Encoder | None = None
 
 def _start_worker(spec: str, eos_token: str) -> None:
     global _worker_encoder
+    # Ctrl-C reaches the whole process group; the main process stops the work and cleans up.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     _worker_encoder = Encoder(spec, eos_token)
 
@@ -114,6 +118,15 @@ def tokenized_documents(
         for names, texts in chunks:
             yield from zip(names, encoder.encode(texts))
         return
+    try:
+        yield from _tokenized_in_workers(chunks, encoder, workers)
+    except BrokenProcessPool:
+        raise UserError(
+            f"a tokenising worker process died (killed, or out of memory); try fewer --workers than {workers}"
+        ) from None
+
+
+def _tokenized_in_workers(chunks, encoder: Encoder, workers: int) -> Iterator[tuple[str, np.ndarray]]:
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     with concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=context, initializer=_start_worker, initargs=(encoder.spec, encoder.eos_token)

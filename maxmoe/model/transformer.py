@@ -117,8 +117,8 @@ def head_logits(h_BTD: jax.Array, w_head_DV: jax.Array, dtype, layout: Any = Non
 
 
 def shift_left(x_BT: jax.Array, k: int) -> jax.Array:
-    """x[:, t + k] at position t; the last k positions are zero (masked by the loss)."""
-    return jnp.pad(x_BT[:, k:], ((0, 0), (0, k)))
+    """x[:, t + k] at position t; the last k positions are zero (masked by the loss); all zero when k >= T."""
+    return jnp.pad(x_BT[:, k:], ((0, 0), (0, min(k, x_BT.shape[1]))))
 
 
 class Transformer(nn.Module):

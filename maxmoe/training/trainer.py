@@ -76,6 +76,7 @@ class Trainer:
         self.expert_loads: list[tuple[int, np.ndarray]] = []
         self.stop_reason: str | None = None
         self.logger = None
+        devices = runtime.check_inputs(config, devices)
         self._started = time.perf_counter()
         self._seconds = {"training": 0.0, "compiling": 0.0, "eval": 0.0, "checkpoints": 0.0}
         self._eval_step = None  # compiled at the first evaluate()
