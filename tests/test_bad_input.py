@@ -363,7 +363,7 @@ def test_generate_run_from_another_directory_names_tokenizer(tmp_path, monkeypat
     config = load_config(TINY, ["data.source=shards", "data.path=data/corpus"])  # relative to where it trained
     (run / "config.yaml").write_text(config.to_yaml())
     monkeypatch.chdir(tmp_path)
-    one_line(capsys, generate_main(["--run", str(run), "--prompt", "x"]), "data folder not found", "--tokenizer")
+    one_line(capsys, generate_main(["--run", str(run), "--prompt", "x"]), "data.path=data/corpus", "--tokenizer")
 
 
 @pytest.mark.parametrize(
