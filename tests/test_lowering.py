@@ -1,6 +1,7 @@
 """Programs lowered for CUDA on this CPU host: the real ragged all-to-all, no collective run
 again under a comm-saving remat policy, and two independent dispatch chains under batch_split."""
 
+import functools
 import os
 import re
 import subprocess
@@ -92,6 +93,24 @@ def test_info_lower_cuda_prints_counts(train_step_text):
     assert int(counts["ragged_all_to_all"]) == count_collectives(train_step_text("cuda", "none"))["ragged_all_to_all"]
 
 
+def kernel_calls(text: str, target: str) -> int:
+    """Call sites of custom call `target` reached from @main, through the private functions the
+    program calls (a kernel jitted once and called from several places is lowered once)."""
+    functions = {}
+    for chunk in re.split(r"(?m)^(?=\s*func\.func )", text):
+        name = re.match(r"\s*func\.func (?:\w+ )?@([\w.$-]+)", chunk)
+        if name:
+            functions[name.group(1)] = chunk
+
+    @functools.cache
+    def reached(name: str) -> int:
+        body = functions[name]
+        callees = re.findall(r"(?<!\w)call @([\w.$-]+)\(", body)
+        return body.count(f"custom_call @{target}") + sum(reached(c) for c in callees if c in functions)
+
+    return reached("main")
+
+
 @pytest.mark.parametrize("fp8", ["none", "tensorwise", "mxfp8"])
 def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot(fp8):
     """The tiny step for an H200 (bf16, sizes multiples of 64): Mosaic GPU grouped GEMMs, flash
@@ -107,7 +126,7 @@ def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot(fp8):
     assert layout.grouped_matmul.name == "mosaic_gpu"
     text = lower_train_step(config, "cuda").as_text()
     # Forward (gate+up, down), dx and dw of each, in the scanned MoE layer and the MTP layer.
-    assert len(re.findall(r"custom_call @mosaic_gpu_v2", text)) >= 12
+    assert kernel_calls(text, "mosaic_gpu_v2") >= 12
     assert not re.findall(r"(chlo|stablehlo)\.ragged_dot", text)
     if layout.attention.name == "triton":  # jax 0.10 lowers Triton without a GPU; newer jax falls back to chunked
         assert re.findall(r"xla\.gpu\.triton", text)

@@ -370,7 +370,7 @@ def test_safe_changes_resume_and_allowed_changes_are_said(saved_run, capsys):
     assert "changed config (checkpoint.allow_config_change): train.seed: 0 there, 1 here" in capsys.readouterr().out
 
 
-def test_data_source_is_compared_as_the_data_it_reads():
+def test_resume_compares_what_the_config_computes():
     """A run stored with data.source=stdlib (configs written before `auto`) resumes under
     data.source=auto with no path, which reads the same corpus; a source that reads other data is
     a change, and so is a path given to auto."""
@@ -382,6 +382,13 @@ def test_data_source_is_compared_as_the_data_it_reads():
         "data.source: 'stdlib' there, 'synthetic' here"
     ]
     assert "data.source: 'stdlib' there, 'shards' here" in resume_changes(stored, auto.override("data.path=corpus"))
+    # Dropless dispatch strategies compute the same numbers (a checkpoint moves between a
+    # pipeline, where auto is ragged_a2a, and one device); capacity drops token copies.
+    stored["moe"] = {**stored["moe"], "dispatch": "ragged_a2a"}
+    assert resume_changes(stored, auto.override("moe.dispatch=allgather")) == []
+    assert resume_changes(stored, auto.override("moe.dispatch=capacity")) == [
+        "moe.dispatch: 'dropless' there, 'capacity' here"
+    ]
 
 
 def test_resuming_without_clipping_says_the_optimizer_changed(saved_run):

@@ -117,10 +117,11 @@ def dry_runs_by_policy():
     import jax
 
     out = {}
-    # 512 tokens: enough that the step's peak sits in the backward pass, where save_comm's kept
-    # receive buffers live (at 128 tokens the peak lies elsewhere and is the same under both).
+    # 1,024 tokens: enough that the step's peak sits in the backward pass, where save_comm's kept
+    # receive buffers live (at 512 tokens the peak lies outside the backward pass and is the same
+    # under both).
     for remat in ("full", "save_comm"):
-        overrides = ["model.compute_dtype=bfloat16", f"model.remat={remat}", "train.batch_size=8", "train.seq_len=64"]
+        overrides = ["model.compute_dtype=bfloat16", f"model.remat={remat}", "train.batch_size=8", "train.seq_len=128"]
         config = load_config(["configs/tiny.yaml"], overrides)
         sizes = {"data": 2, "expert": 4, "tensor": 1}
         (_, mesh), *_ = sweep.candidate_shapes(config, jax.devices()[:8], [sizes])[0]

@@ -46,27 +46,30 @@ def resume_changes(saved: Any, config: Config) -> list[str]:
     """
     if not isinstance(saved, dict):
         return []
-    here, changes = config.to_dict(), []
-    here["data"]["source"] = config.data.kind
+    here, changes = _as_computed(config.to_dict()), []
     for section, free in RESUME_FREE.items():
         there = saved.get(section)
         if not isinstance(there, dict):
             continue
-        if section == "data":
-            there = {**there, "source": _data_kind(there)}
+        there = _as_computed({section: there})[section]
         for key in sorted(set(here[section]) & set(there)):
             if key not in free and there[key] != here[section][key]:
                 changes.append(f"{section}.{key}: {there[key]!r} there, {here[section][key]!r} here")
     return changes
 
 
-def _data_kind(data: dict) -> Any:
-    """data.source of a stored config with `auto` resolved as DataConfig.kind does (a run stored
-    with `stdlib` and one with `auto` and no path read the same data)."""
-    source = data.get("source")
-    if source != "auto":
-        return source
-    return "shards" if data.get("path") or data.get("mixture") else "stdlib"
+def _as_computed(sections: dict) -> dict:
+    """Config sections with the values that name one computation in two ways made one: data.source
+    with `auto` resolved as DataConfig.kind does (stored `stdlib` and `auto` with no path read the
+    same data), moe.dispatch as dropless or capacity (ragged_a2a, allgather and auto route every
+    token copy to its experts and give the same numbers; capacity drops copies)."""
+    out = {name: dict(values) for name, values in sections.items()}
+    data, moe = out.get("data"), out.get("moe")
+    if data is not None and data.get("source") == "auto":
+        data["source"] = "shards" if data.get("path") or data.get("mixture") else "stdlib"
+    if moe is not None and "dispatch" in moe:
+        moe["dispatch"] = "capacity" if moe["dispatch"] == "capacity" else "dropless"
+    return out
 
 
 def optimizer_hint(saved_config: Any, config: Config) -> str:
