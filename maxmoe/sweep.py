@@ -100,7 +100,7 @@ def with_mesh(config: Config, sizes: dict[str, int]) -> Config:
 
 
 def mesh_name(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in AXES if a != "pipeline" or sizes.get(a, 1) > 1)
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a not in ("pipeline", "context") or sizes.get(a, 1) > 1)
 
 
 def candidate_shapes(

@@ -10,6 +10,7 @@ Axis legend: B batch, T query time, S key time, D embed, H heads, K head dim, L 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 
 from maxmoe.kernels.attention import kernel
 from maxmoe.kernels.choice import resolve_attention, target
-from maxmoe.model.attention_ops import chunked_attention, xla_attention
+from maxmoe.model.attention_ops import chunked_attention, latent_attention, xla_attention
 from maxmoe.model.layers import RMSNorm, constrain, logical_param, project
 from maxmoe.model.rope import apply_rope, attention_scale
 
@@ -78,6 +79,18 @@ class MLA(nn.Module):
         kv_latent = RMSNorm(c.rms_norm_eps, "kv_lora", name="kv_norm")(kv_latent)
         k_rope_BT1R = proj(x, btd, "w_k_rope", (d, rope), ("embed", "head_dim"))[:, :, None, :]
         latent_axes, up_axes = ("batch", "seq", "kv_lora"), ("kv_lora", "heads", "head_dim")
+        if self.layout is not None and self.layout.context > 1:
+            # Context parallelism: the latents travel, keys and values are made inside the core.
+            q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BT, c)], axis=-1)
+            k_rope_BTR = apply_rope(k_rope_BT1R, positions_BT, c)[:, :, 0]
+            w_k_up, w_v_up = (
+                param("w_k_up", (c.kv_lora_rank, h, nope), up_axes),
+                param("w_v_up", (c.kv_lora_rank, h, v), up_axes),
+            )
+            core = functools.partial(latent_attention, scale=attention_scale(c), block=c.attention_chunk)
+            out_BTHK = self.layout.latent_attention(core)(q, positions_BT, kv_latent, k_rope_BTR, w_k_up, w_v_up)
+            out_axes = ("batch", "seq", "heads", "head_dim")
+            return proj(out_BTHK, out_axes, "w_out", (h, v, d), ("heads", "head_dim", "embed"), "bthk,hkd->btd")
         k_nope = proj(kv_latent, latent_axes, "w_k_up", (c.kv_lora_rank, h, nope), up_axes, up)
         v_BSHK = proj(kv_latent, latent_axes, "w_v_up", (c.kv_lora_rank, h, v), up_axes, up)
 

@@ -148,7 +148,8 @@ class DispatchPlan:
         mesh: the (data, expert, tensor) mesh.
         strategy: one of maxmoe.config.DISPATCH_STRATEGIES.
         token_axes: mesh axes the flattened token dim is sharded over inside the shard_map.
-        expert_axis: the mesh axis experts are sharded over (tokens are exchanged over it).
+        expert_axis: the mesh axis experts are sharded over (tokens are exchanged over it), or a
+            tuple of axes (with context parallelism: ("context", "expert"), one exchange group).
         tensor_axis: the mesh axis F is sharded over, or None when F is whole on every device.
         a2a_impl: the ragged all-to-all of ragged_a2a, one of RAGGED_A2A_IMPLS: "native"
             (GPU, TPU), "emulate" (the dense emulation, CPU) or "balanced_stand_in" (native
@@ -169,7 +170,7 @@ class DispatchPlan:
     mesh: Mesh
     strategy: str
     token_axes: tuple
-    expert_axis: str
+    expert_axis: str | tuple
     tensor_axis: str | None
     a2a_impl: str
     buffer_factor: float = 0.0
@@ -193,7 +194,7 @@ class DispatchPlan:
 
     @property
     def expert_ranks(self) -> int:
-        return self.mesh.shape[self.expert_axis]
+        return math.prod(self.mesh.shape[a] for a in _axes_tuple(self.expert_axis))
 
     def buffer_rows(self, tokens_per_shard: int, top_k: int, num_experts: int) -> int:
         """ragged_a2a receive rows per expert rank: the dropless bound, or less with buffer_factor."""
@@ -309,7 +310,7 @@ def make_dispatch_plan(
     moe_config,
     *,
     token_axes,
-    expert_axis: str = "expert",
+    expert_axis: str | tuple = "expert",
     tensor_axis: str = "tensor",
     weight_specs: dict,
     platform: str | None = None,
@@ -325,7 +326,7 @@ def make_dispatch_plan(
             Inside the shard_map tokens are sharded over these axes (minus `tensor_axis`)
             followed by any of data / `expert_axis` not among them: slicing a replicated
             dim is free, and every expert rank must own distinct tokens.
-        expert_axis: mesh axis the expert dim of the weights is sharded over.
+        expert_axis: mesh axis (or tuple of axes) the expert dim of the weights is sharded over.
         tensor_axis: mesh axis F may be sharded over.
         weight_specs: PartitionSpecs of "w_gate", "w_up" [E, D, F] and "w_down" [E, F, D];
             only whether F is sharded over `tensor_axis` is read (D enters unsharded).
@@ -342,10 +343,10 @@ def make_dispatch_plan(
         raise ValueError(
             f"unknown moe.dispatch {moe_config.dispatch!r}; expected 'auto' or one of {DISPATCH_STRATEGIES}"
         )
-    if expert_axis not in mesh.axis_names:
+    if any(a not in mesh.axis_names for a in _axes_tuple(expert_axis)):
         raise ValueError(f"expert axis {expert_axis!r} is not a mesh axis {mesh.axis_names}")
     axes = [a for a in _axes_tuple(token_axes) if a != tensor_axis]
-    axes += [a for a in ("data", expert_axis) if a in mesh.axis_names and a not in axes]
+    axes += [a for a in ("data", *_axes_tuple(expert_axis)) if a in mesh.axis_names and a not in axes]
 
     def shards_f(spec, dim):
         entry = tuple(spec)[dim] if len(tuple(spec)) > dim else None
