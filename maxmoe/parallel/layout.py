@@ -216,13 +216,12 @@ def build_layout(
             "chunked", f"mesh.context={mesh.shape[CONTEXT_AXIS]}: latents gathered, up-projected in the key loop"
         )
     if mesh.size > 1:
-        # Tokens [B, T] flatten batch-major: the seq axes (context) are the minor token shards.
-        tokens = logical_to_spec(("batch", "seq"), rules, dict(mesh.shape))
         plan = make_dispatch_plan(
             mesh,
             config.moe,
             grouped_matmul=kernels.grouped_matmul.name,
-            token_axes=tuple(a for entry in tokens for a in axes_of(entry)) or None,
+            token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
+            seq_axes=logical_to_spec(("batch", "seq"), rules, dict(mesh.shape))[1],
             expert_axis=logical_to_spec(("expert",), rules, dict(mesh.shape))[0] or "expert",
             tensor_axis="tensor",
             platform=kernels.platform,
