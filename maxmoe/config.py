@@ -28,6 +28,9 @@ import yaml
 MESH_AXES = ("pipeline", "replica", "data", "context", "expert", "tensor")
 REPLICA_AXIS = "replica"
 CONTEXT_AXIS = "context"
+# jax scope of context parallelism's latent all-gathers (maxmoe.parallel.context); the planner
+# counts what runs under it as exposed (it waits on the layer's own activations).
+LATENT_GATHER = "context_latent_gather"
 SIZED_MESH_AXES = tuple(a for a in MESH_AXES if a != REPLICA_AXIS)  # the axes mesh.<axis> sizes
 OPTIONAL_MESH_AXES = ("pipeline", REPLICA_AXIS, CONTEXT_AXIS)  # left out of a mesh where their size is 1
 ACROSS_DOMAINS = ("fsdp", "zero1")  # mesh.across_domains (docs/SHARDING.md, "Two tiers")
@@ -164,7 +167,7 @@ class MoEConfig:
 
 DEFAULT_RULES = {
     "batch": ["data", "expert"],
-    "seq": ["context"],
+    "seq": [],
     "embed": ["fsdp"],
     "heads": ["tensor"],
     "kv_heads": ["tensor"],
@@ -172,7 +175,7 @@ DEFAULT_RULES = {
     "kv_lora": [],
     "head_dim": [],
     "mlp": ["tensor"],
-    "expert": ["context", "expert"],
+    "expert": ["expert"],
     "expert_mlp": ["tensor"],
     "vocab": ["tensor"],
     "layers": [],
@@ -692,12 +695,10 @@ def _validate_context(config: Config, sizes: dict[str, int]) -> None:
             f"train.seq_len={config.train.seq_len} is not divisible by 2 x mesh.context = {2 * c} "
             f"(each device holds two zigzag chunks of every sequence)"
         )
-    if list(rules["seq"]) != [CONTEXT_AXIS]:
-        raise ConfigError(f"mesh.context={c} needs mesh.rules.seq=[context]; got {list(rules['seq'])}")
-    if CONTEXT_AXIS not in rules["expert"]:
+    # maxmoe.mesh.resolve_rules adds `context` to the seq and expert rules; nothing else may use it.
+    if [a for a in rules["seq"] if a != CONTEXT_AXIS]:
         raise ConfigError(
-            f"mesh.context={c} needs context in mesh.rules.expert (experts fold over the context axis; "
-            f"without it each device would hold {c}x the expert weights); got {list(rules['expert'])}"
+            f"mesh.context={c}: the sequence is sharded over context alone; got mesh.rules.seq={list(rules['seq'])}"
         )
     others = [k for k, v in rules.items() if k not in ("seq", "expert") and CONTEXT_AXIS in v]
     if others:
@@ -764,8 +765,9 @@ def _check_dist(dist: DistConfig) -> None:
 
 
 def mesh_sizes(config: Config) -> dict[str, int]:
-    """The configured mesh sizes; -1 stays -1 until devices are known (maxmoe.mesh resolves it)."""
-    return {a: getattr(config.mesh, a) for a in SIZED_MESH_AXES}
+    """The configured mesh sizes; -1 stays -1 until devices are known (maxmoe.mesh resolves it).
+    `context` is left out when 1 (no context parallelism)."""
+    return {a: getattr(config.mesh, a) for a in SIZED_MESH_AXES if a != CONTEXT_AXIS or config.mesh.context != 1}
 
 
 def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:

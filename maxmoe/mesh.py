@@ -108,7 +108,7 @@ def split_replicas(config: Config, sizes: dict[str, int], domain_size: int) -> d
     if config.mesh.across_domains == "zero1" and domain_size % block == 0:
         inside = math.gcd(sizes["data"], domain_size // block)
         shape[REPLICA_AXIS], shape["data"] = sizes["data"] // inside, inside
-    return {a: shape[a] for a in MESH_AXES}
+    return {a: shape.get(a, 1) for a in MESH_AXES}
 
 
 def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
@@ -181,7 +181,11 @@ def zero1_spec(
 
 
 def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
-    """Logical axis -> mesh axes, with `fsdp` replaced by data (and context, when there is one) or dropped (off)."""
+    """Logical axis -> mesh axes, with `fsdp` replaced by data (and context, when there is one) or dropped (off).
+
+    With mesh.context > 1 the sequence is sharded over `context` and the experts over
+    `context` x the expert rule's axes (context parallelism folds over expert parallelism).
+    """
     # Under FSDP `context` shards weights like `data`: outside attention it is more data parallelism.
     fsdp = ["data", CONTEXT_AXIS] if config.mesh.context > 1 else ["data"]
     rules = {}
@@ -193,6 +197,9 @@ def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
                 if name not in resolved:
                     resolved.append(name)
         rules[logical] = tuple(resolved)
+    if config.mesh.context > 1:
+        rules["seq"] = (CONTEXT_AXIS,)
+        rules["expert"] = (CONTEXT_AXIS, *(a for a in rules["expert"] if a != CONTEXT_AXIS))
     return rules
 
 

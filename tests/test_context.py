@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxmoe.analysis.hlo import collective_ops, replica_groups
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import LATENT_GATHER, ConfigError, load_config
 from maxmoe.model import attention
 from maxmoe.model.attention_ops import latent_attention, xla_attention
 from maxmoe.model.rope import apply_rope
@@ -154,10 +154,10 @@ def test_contiguous_split_with_zigzag_gather_fails_parity(reference, monkeypatch
 
 def test_local_rope_positions_fail_parity(reference, monkeypatch):
     """RoPE at each shard's local positions (0..T/C-1) instead of the natural ones: caught."""
-    t, c = 32, 2
 
     def local_rope(x, positions_BT, model):
-        local_BT = jnp.broadcast_to(jnp.arange(t, dtype=positions_BT.dtype) % (t // c), positions_BT.shape)
+        t = positions_BT.shape[1]  # each of the 2 shards numbers its T / 2 tokens from 0
+        local_BT = jnp.broadcast_to(jnp.arange(t, dtype=positions_BT.dtype) % (t // 2), positions_BT.shape)
         return apply_rope(x, local_BT, model)
 
     monkeypatch.setattr(attention, "apply_rope", local_rope)
@@ -188,9 +188,9 @@ def test_only_latents_are_gathered_over_context(folded):
     # One gather per attention layer (remat none): B_local x T x (kv_lora_rank + qk_rope_head_dim) f32.
     latent_bytes = rows_per_device * config.train.seq_len * (m.kv_lora_rank + m.qk_rope_head_dim) * 4
     gathers = [r for r in over_context if r["kind"] == "all-gather"]
-    assert [(r["dtype"], r["bytes_per_run"] * 2, r["runs"]) for r in gathers] == [("f32", latent_bytes, 1)] * layers
-    assert all("attention/shard_map" in r["op_name"] for r in gathers)
     scatters = [r for r in over_context if r["kind"] == "reduce-scatter"]
+    assert [(r["dtype"], r["bytes_per_run"] * 2, r["runs"]) for r in gathers] == [("f32", latent_bytes, 1)] * layers
+    assert all(LATENT_GATHER in r["op_name"] for r in gathers + scatters)  # the planner's exposed class
     assert [(r["dtype"], r["bytes_per_run"] * 2, r["runs"]) for r in scatters] == [("f32", latent_bytes, 1)] * layers
 
 
@@ -235,8 +235,8 @@ def test_zigzag_order_and_its_inverse():
         (["mesh.context=3"], "not divisible by 2 x mesh.context"),
         (["mesh.context=2", "mesh.pipeline=2", "train.grad_accum=2"], "pipeline stages do not run"),
         (["mesh.context=2", "model.attention=xla"], "latent attention core"),
-        (["mesh.context=2", "mesh.rules.seq=[]"], "needs mesh.rules.seq=[context]"),
-        (["mesh.context=2", "mesh.rules.expert=[expert]"], "experts fold over the context axis"),
+        (["mesh.context=2", "mesh.rules.seq=[data]"], "the sequence is sharded over context alone"),
+        (["mesh.context=2", "mesh.rules.vocab=[context]"], "only seq and expert may use the context axis"),
         (["mesh.context=16"], "num_experts=8 is not divisible by mesh.context x mesh.expert"),
     ],
 )
@@ -269,3 +269,13 @@ def test_attention_temp_scales_with_seq_len_over_context():
     one = _attention_temp_bytes(512, 1)
     two = _attention_temp_bytes(1024, 2)
     assert abs(two - one) <= 0.1 * one, (one, two)
+
+
+def test_experts_fold_over_context():
+    """data=2 x context=2 x expert=2: experts 4-way over (context, expert), the sequence over context."""
+    config = _config("mesh.data=2", "mesh.context=2", "mesh.expert=2")
+    layout = build_layout(config, jax.devices())
+    assert layout.spec(("expert", "embed", "expert_mlp"))[0] == ("context", "expert")
+    assert layout.spec(("batch", "seq", "embed"))[:2] == (("data", "expert"), "context")
+    assert layout.dispatch_plan.expert_ranks == 4
+    assert layout.attention.name == "chunked"

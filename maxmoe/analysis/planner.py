@@ -27,7 +27,10 @@ xla.profile). The model, per device and per step; every assumption is a field of
               adds to the step. phase "loop": the op runs more than once per step (inside
               the micro-batch loop or the layer scan), where XLA's scheduler can prefetch
               it; phase "step": once per step, outside the loop (the two-tier weight gather
-              and gradient reduce-scatter, which have no compute beside them: overlap 0).
+              and gradient reduce-scatter, which have no compute beside them: overlap 0);
+              phase "dependent": in the loop but on the layer's own activations, so nothing
+              can prefetch it (context parallelism's latent gathers and their reduce-scatters,
+              `maxmoe.parallel.context.LATENT_GATHER`): exposed.
   step        t = max(t_c, hidden scale-up, hidden scale-out) + exposed + t_optimizer: the
               two fabrics run beside compute and beside each other; hidden traffic that
               does not fit under compute extends the step. t_optimizer = optimizer bytes
@@ -44,6 +47,8 @@ expert all-to-all assumed balanced (what the dry run's stand-in moves).
 from __future__ import annotations
 
 import dataclasses
+
+from maxmoe.config import LATENT_GATHER
 
 GB = 1e9
 
@@ -90,7 +95,7 @@ SYSTEMS = {
 
 TIERS = ("scale_up", "scale_out")
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-PHASES = ("loop", "step")
+PHASES = ("loop", "step", "dependent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +281,14 @@ def workload_from_ops(
 ) -> Workload:
     """A Workload from maxmoe.analysis.hlo.collective_ops rows (as the GPU moves them: maxmoe.analysis.dry_run.as_on_gpu).
 
-    Rows group into classes by (tier, kind, phase); phase "step" = rows that run once.
+    Rows group into classes by (tier, kind, phase); phase "step" = rows that run once,
+    "dependent" = the latent gathers of context parallelism (their jax scope names them).
     """
     classes: dict[tuple, list] = {}
     for r in rows:
-        key = ("scale_out" if r["cross_domain"] else "scale_up", r["kind"], "step" if r["runs"] == 1 else "loop")
+        phase = "step" if r["runs"] == 1 else "loop"
+        phase = "dependent" if LATENT_GATHER in r.get("op_name", "") else phase
+        key = ("scale_out" if r["cross_domain"] else "scale_up", r["kind"], phase)
         total = classes.setdefault(key, [0.0, 0, 2])
         total[0] += r["bytes"]
         total[1] += r["runs"]

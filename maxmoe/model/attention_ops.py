@@ -7,6 +7,9 @@
            are computed, and nothing of size T x S is ever held -- the backward pass keeps
            q, k, v, the output and one float32 log-sum-exp per query, and recomputes each
            block's scores. Memory is linear in T; any platform.
+  latent   context parallelism's core (`latent_attention`): a device's queries, at any positions,
+           against the whole sequence given as MLA latents, up-projected to keys and values
+           block by block inside the key loop; its own VJP (maxmoe.parallel.context).
 GPU kernels (Pallas Triton, cuDNN) live in maxmoe.kernels.attention.
 
 Precision matches the oracle: scores, softmax statistics and accumulators in float32, the

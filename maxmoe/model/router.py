@@ -26,6 +26,23 @@ class Routing(NamedTuple):
     scores_NE: jax.Array  # float32 affinity scores before the bias
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k over the last axis as k rounds of max / argmax (ties: the lower index first, as top_k).
+
+    XLA's SPMD partitioner all-gathers the tokens of a sharded operand for its TopK (every
+    token dim, e.g. a sequence sharded over `context`); max and argmax are reductions over
+    the last axis alone, partitioned where the tokens lie. k is small (2, the groups, 8).
+    """
+    values, indices = [], []
+    positions = jnp.arange(x.shape[-1])
+    for _ in range(k):
+        index = jnp.argmax(x, axis=-1)
+        values.append(x.max(axis=-1))
+        indices.append(index)
+        x = jnp.where(positions == index[..., None], -jnp.inf, x)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
+
+
 def route(logits_NE: jax.Array, bias_E: jax.Array, config) -> Routing:
     """Choose top-k experts per token: scores + bias pick, unbiased scores weigh.
 
@@ -41,13 +58,13 @@ def route(logits_NE: jax.Array, bias_E: jax.Array, config) -> Routing:
     e = scores.shape[-1]
     if c.num_expert_groups > 1:
         grouped = choice.reshape(*choice.shape[:-1], c.num_expert_groups, e // c.num_expert_groups)
-        group_score_NG = jax.lax.top_k(grouped, 2)[0].sum(-1)
-        _, top_groups = jax.lax.top_k(group_score_NG, c.topk_groups)
+        group_score_NG = top_k(grouped, 2)[0].sum(-1)
+        _, top_groups = top_k(group_score_NG, c.topk_groups)
         # A one-hot of the chosen groups (no scatter: per token, whatever its leading dims).
         keep_NG = (top_groups[..., None] == jnp.arange(c.num_expert_groups)).any(-2)
         keep_NE = jnp.repeat(keep_NG, e // c.num_expert_groups, axis=-1)
         choice = jnp.where(keep_NE, choice, -jnp.inf)
-    _, expert_ids = jax.lax.top_k(choice, c.experts_per_token)
+    _, expert_ids = top_k(choice, c.experts_per_token)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if c.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)

@@ -37,10 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from maxmoe.config import CONTEXT_AXIS
+from maxmoe.config import CONTEXT_AXIS, LATENT_GATHER
 from maxmoe.kernels.shard_context import shard_map_in_context
-
-LATENT_GATHER = "context_latents"  # checkpoint name of the gathered latents (natural order)
 
 
 def zigzag_order(t: int, c: int) -> np.ndarray:
@@ -64,7 +62,7 @@ def natural_from_layout(x_BS_, c: int) -> jax.Array:
     return jnp.concatenate([first, second], axis=1).reshape(b, s, *rest)
 
 
-def latent_attention(core: Callable, mesh, batch_axes, head_axes, *, name: str = LATENT_GATHER) -> Callable:
+def latent_attention(core: Callable, mesh, batch_axes, head_axes) -> Callable:
     """fn(q, positions, latent, k_rope, w_k_up, w_v_up) -> out, running `core` on each device's queries.
 
     Args:
@@ -73,13 +71,13 @@ def latent_attention(core: Callable, mesh, batch_axes, head_axes, *, name: str =
             and the queries' natural positions.
         mesh: the layout's mesh (it has a `context` axis).
         batch_axes, head_axes: PartitionSpec entries of the batch and heads dims.
-        name: checkpoint name of the gathered latents (what a remat policy may keep).
 
     The arrays enter in layout order, sequence sharded over `context`: q [B, T, H, K],
     positions [B, T], latent [B, T, kv_lora], k_rope [B, T, R]; the up-projections
     [kv_lora, H, *] are whole over `context`. One all-gather per call moves the latent and the
     rope key (concatenated, in their dtype) over `context`; its transpose reduce-scatters the
-    gradients.
+    gradients. Both run under the jax scope LATENT_GATHER (also the gathered array's checkpoint
+    name), which the planner counts as exposed: the gather waits on the layer's own latents.
     """
     c = mesh.shape[CONTEXT_AXIS]
     seq_BT = PartitionSpec(batch_axes, CONTEXT_AXIS)
@@ -90,8 +88,9 @@ def latent_attention(core: Callable, mesh, batch_axes, head_axes, *, name: str =
     def shard(q_BTHK, positions_BT, latent_BTL, k_rope_BTR, w_k_up, w_v_up):
         width = latent_BTL.shape[-1]
         local = jnp.concatenate([latent_BTL, k_rope_BTR.astype(latent_BTL.dtype)], axis=-1)
-        gathered_BSL = jax.lax.all_gather(local, CONTEXT_AXIS, axis=1, tiled=True)
-        gathered_BSL = jax.ad_checkpoint.checkpoint_name(natural_from_layout(gathered_BSL, c), name)
+        with jax.named_scope(LATENT_GATHER):
+            gathered_BSL = jax.lax.all_gather(local, CONTEXT_AXIS, axis=1, tiled=True)
+        gathered_BSL = jax.ad_checkpoint.checkpoint_name(natural_from_layout(gathered_BSL, c), LATENT_GATHER)
         latent_BSL, k_rope_BSR = gathered_BSL[..., :width], gathered_BSL[..., width:]
         return core(q_BTHK, positions_BT, latent_BSL, k_rope_BSR.astype(k_rope_BTR.dtype), w_k_up, w_v_up)
 
