@@ -19,7 +19,12 @@ import jax.numpy as jnp
 
 from maxmoe.kernels.attention import kernel
 from maxmoe.kernels.choice import resolve_attention, target
-from maxmoe.model.attention_ops import chunked_attention, latent_attention, xla_attention
+from maxmoe.model.attention_ops import (
+    chunked_attention,
+    latent_attention_backward,
+    latent_attention_forward,
+    xla_attention,
+)
 from maxmoe.model.layers import RMSNorm, constrain, logical_param, project
 from maxmoe.model.rope import apply_rope, attention_scale
 
@@ -87,8 +92,12 @@ class MLA(nn.Module):
                 param("w_k_up", (c.kv_lora_rank, h, nope), up_axes),
                 param("w_v_up", (c.kv_lora_rank, h, v), up_axes),
             )
-            core = functools.partial(latent_attention, scale=attention_scale(c), block=c.attention_chunk)
-            out_BTHK = self.layout.latent_attention(core)(q, positions_BT, kv_latent, k_rope_BTR, w_k_up, w_v_up)
+            blocks = {"scale": attention_scale(c), "block": c.attention_chunk}
+            core = self.layout.latent_attention(
+                functools.partial(latent_attention_forward, **blocks),
+                functools.partial(latent_attention_backward, **blocks),
+            )
+            out_BTHK = core(q, positions_BT, kv_latent, k_rope_BTR, w_k_up, w_v_up)
             out_axes = ("batch", "seq", "heads", "head_dim")
             return proj(out_BTHK, out_axes, "w_out", (h, v, d), ("heads", "head_dim", "embed"), "bthk,hkd->btd")
         k_nope = proj(kv_latent, latent_axes, "w_k_up", (c.kv_lora_rank, h, nope), up_axes, up)

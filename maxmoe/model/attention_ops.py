@@ -187,6 +187,35 @@ def latent_attention(
     )  # fmt: skip
 
 
+def latent_attention_forward(
+    q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV, *, scale: float, block: int = 512
+):
+    """`latent_attention`'s forward: the output [B, T, H, V] and the float32 log-sum-exp its backward needs."""
+    cq, ck = chunk_size(q_BTHK.shape[1], block), chunk_size(latent_BSL.shape[1], block)
+    return _latent_forward(q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV, float(scale), cq, ck)
+
+
+def latent_attention_backward(
+    q_BTHK,
+    q_positions_BT,
+    latent_BSL,
+    k_rope_BSR,
+    w_k_up_LHN,
+    w_v_up_LHV,
+    out_BTHV,
+    lse,
+    d_out_BTHV,
+    *,
+    scale,
+    block=512,
+):
+    """`latent_attention`'s backward: (dq, d_latent, d_k_rope, d_w_k_up, d_w_v_up) from the forward's output and lse."""
+    cq, ck = chunk_size(q_BTHK.shape[1], block), chunk_size(latent_BSL.shape[1], block)
+    residuals = (q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV, out_BTHV, lse)
+    dq, _, d_latent, d_rope, dw_k, dw_v = _latent_bwd(float(scale), cq, ck, residuals, d_out_BTHV)
+    return dq, d_latent, d_rope, dw_k, dw_v
+
+
 def _groups(x_BT_, size):
     """[B, T, *] -> [g, B, size, *]."""
     b, t = x_BT_.shape[:2]
@@ -244,6 +273,13 @@ def _latent_forward(q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, 
     (acc, row_max, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(lat_n.shape[0]))
     out_gBCHV = (acc / row_sum[..., None]).transpose(0, 1, 3, 2, 4).astype(latent_BSL.dtype)
     return _unblocks(out_gBCHV), row_max + jnp.log(row_sum)
+
+
+# Inside a scan (the layer stack) jax's partial evaluation would split these loops and keep every
+# block's probabilities as residuals; as a checkpoint with nothing saveable it keeps the inputs.
+_latent_forward = jax.checkpoint(
+    _latent_forward, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(6, 7, 8)
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))

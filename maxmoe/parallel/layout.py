@@ -92,11 +92,11 @@ class Layout:
         split over `context`), or None when the sequence stays in natural order."""
         return context_parallel.zigzag_order(t, self.context) if self.context > 1 else None
 
-    def latent_attention(self, core):
-        """fn(q, positions, latent, k_rope, w_k_up, w_v_up): MLA's `core` on each device's queries,
-        the latents all-gathered over `context` (maxmoe.parallel.context)."""
-        spec = self.spec(("batch", "seq", "heads", "head_dim"))
-        return context_parallel.latent_attention(core, self.mesh, spec[0], spec[2] if len(spec) > 2 else None)
+    def latent_attention(self, forward, backward):
+        """fn(q, positions, latent, k_rope, w_k_up, w_v_up): MLA's core (its `forward` and `backward`)
+        on each device's queries, the latents all-gathered over `context` (maxmoe.parallel.context)."""
+        spec = tuple(self.spec(("batch", "seq", "heads", "head_dim"))) + (None,) * 4
+        return context_parallel.latent_attention(forward, backward, self.mesh, spec[0], spec[2])
 
     def attention_fn(self, name: str):
         """fn(q, k, v, scale) for attention kernel `name` [batch, seq, heads, head_dim], placed on the mesh."""
