@@ -279,3 +279,25 @@ def test_experts_fold_over_context():
     assert layout.spec(("batch", "seq", "embed"))[:2] == (("data", "expert"), "context")
     assert layout.dispatch_plan.expert_ranks == 4
     assert layout.attention.name == "chunked"
+
+
+def test_latent_core_keeps_no_per_block_residuals_inside_a_scan():
+    """Under a layer scan the core's temp stays that of one call, not of every key block's probabilities."""
+    b, s, h, nope, rope, v, lat = 1, 256, 2, 4, 2, 4, 6
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    args = [jnp.ones((b, s, h, nope + rope)), jnp.ones((b, s, lat)), jnp.ones((b, s, rope))]
+    args += [jnp.ones((lat, h, nope)), jnp.ones((lat, h, v))]
+
+    def one(q, latent, k_rope, w_k, w_v):
+        return latent_attention(q, positions, latent, k_rope, w_k, w_v, scale=0.3, block=8).sum()
+
+    def two_layers(q, latent, k_rope, w_k, w_v):
+        body = lambda total, w: (total + one(q, latent, k_rope, w, w_v), None)  # noqa: E731
+        return jax.lax.scan(body, 0.0, jnp.stack([w_k, w_k]))[0]
+
+    def temp(fn):
+        grad = jax.jit(jax.grad(fn, argnums=range(5)))
+        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    # Keeping the probabilities of all 32 x 32 block pairs was 45x one call's temp.
+    assert temp(two_layers) <= 4 * temp(one)
