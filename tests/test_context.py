@@ -116,7 +116,9 @@ def _assert_parity(run, reference):
         assert np.abs(got - want).max() <= bound, (jax.tree_util.keystr(path), np.abs(got - want).max(), bound)
 
 
-@pytest.mark.parametrize("mesh", [("mesh.context=2",), ("mesh.context=4",)])
+@pytest.mark.parametrize(
+    "mesh", [("mesh.context=2",), ("mesh.context=4",), ("mesh.context=2", "mesh.expert=2", "mesh.tensor=2")]
+)
 def test_context_matches_one_device(reference, mesh):
     _assert_parity(_train(*mesh), reference)
 

@@ -89,9 +89,10 @@ def latent_attention(forward: Callable, backward: Callable, mesh, batch_axes, he
     [kv_lora, H, *] are whole over `context`. Forward: one all-gather moves the latent and the
     rope key (concatenated, in their dtype) over `context`; the gathered sequence is the
     backward's residual. Backward: one reduce-scatter returns their gradients; the
-    up-projections' gradients are summed over the batch axes and `context`. Both collectives
-    run under the jax scope LATENT_GATHER (also the gathered array's checkpoint name), which
-    the planner counts as exposed: the gather waits on the layer's own latents. The VJP is
+    up-projections' gradients are summed over the batch axes and `context`; with heads sharded
+    (`tensor`) the latents' gradients are first summed over the heads' shards. The gather and
+    the reduce-scatter run under the jax scope LATENT_GATHER (also the gathered array's
+    checkpoint name), which the planner counts as exposed: the gather waits on the layer's own latents. The VJP is
     defined outside the shard_maps, so autodiff never traces the core's loops (under a scan
     it would stack every block's probabilities).
     """
@@ -103,6 +104,7 @@ def latent_attention(forward: Callable, backward: Callable, mesh, batch_axes, he
     lse_spec = PartitionSpec(CONTEXT_AXIS, batch_axes, head_axes, None)  # [query groups, B, H, group]
     w_LHK = PartitionSpec(None, head_axes, None)
     replicated_over = (*axes_of(batch_axes), CONTEXT_AXIS)  # where the up-projections' gradients sum
+    heads = axes_of(head_axes)  # the latents' gradients sum over the heads' shards
 
     def forward_shard(q_BTHK, positions_BT, latent_BTL, k_rope_BTR, w_k_up, w_v_up):
         local = jnp.concatenate([latent_BTL, k_rope_BTR.astype(latent_BTL.dtype)], axis=-1)
@@ -120,6 +122,8 @@ def latent_attention(forward: Callable, backward: Callable, mesh, batch_axes, he
             q_BTHK, positions_BT, latent_BSL, k_rope_BSR, w_k_up, w_v_up, out, lse, d_out
         )
         d_gathered = layout_from_natural(jnp.concatenate([d_latent, d_rope.astype(d_latent.dtype)], axis=-1), c)
+        if heads:
+            d_gathered = jax.lax.psum(d_gathered, heads)
         with jax.named_scope(LATENT_GATHER):
             d_local = jax.lax.psum_scatter(d_gathered, CONTEXT_AXIS, scatter_dimension=1, tiled=True)
         dw_k, dw_v = jax.lax.psum((dw_k, dw_v), replicated_over)
