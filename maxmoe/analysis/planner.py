@@ -57,11 +57,11 @@ from __future__ import annotations
 import dataclasses
 
 from maxmoe.analysis.assumptions import GB, KINDS, PHASES, SYSTEMS, TIERS, Assumptions, System, table
+from maxmoe.config import LATENT_GATHER
 
 __all__ = ["GB", "SYSTEMS", "System", "Assumptions", "KINDS", "PHASES", "TIERS"]
 PASSES = ("forward", "backward", "other")
 DEFAULT_ASSUMPTIONS = Assumptions()
-from maxmoe.config import LATENT_GATHER
 
 
 @dataclasses.dataclass(frozen=True)
