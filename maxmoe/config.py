@@ -21,13 +21,19 @@ from typing import Any
 import yaml
 
 # Names other modules import rather than spell out again.
-# Mesh axes, outermost (may span scale-up domains) to innermost. `pipeline` (stages) and
-# `replica` are in a mesh only when larger than 1. `replica` is derived, not configured: under
-# mesh.across_domains=zero1 it is the part of data parallelism that crosses scale-up domains.
-MESH_AXES = ("pipeline", "replica", "data", "expert", "tensor")
+# Mesh axes, outermost (may span scale-up domains) to innermost. `pipeline` (stages),
+# `replica` and `context` are in a mesh only when larger than 1. `replica` is derived, not
+# configured: under mesh.across_domains=zero1 it is the part of data parallelism that crosses
+# scale-up domains. `context` shards the sequence in attention and folds into expert
+# parallelism in MoE layers (maxmoe.parallel.context).
+MESH_AXES = ("pipeline", "replica", "data", "context", "expert", "tensor")
 REPLICA_AXIS = "replica"
+CONTEXT_AXIS = "context"
+# jax scope of context parallelism's latent all-gathers (maxmoe.parallel.context); the planner
+# counts what runs under it as exposed (it waits on the layer's own activations).
+LATENT_GATHER = "context_latent_gather"
 SIZED_MESH_AXES = tuple(a for a in MESH_AXES if a != REPLICA_AXIS)  # the axes mesh.<axis> sizes
-OPTIONAL_MESH_AXES = ("pipeline", REPLICA_AXIS)  # left out of a mesh where their size is 1
+OPTIONAL_MESH_AXES = ("pipeline", REPLICA_AXIS, CONTEXT_AXIS)  # left out of a mesh where their size is 1
 ACROSS_DOMAINS = ("fsdp", "zero1")  # mesh.across_domains (docs/SHARDING.md, "Two tiers")
 PIPELINE_RESIDUALS = ("vjp", "recompute")  # maxmoe.parallel.pipeline
 DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
@@ -191,6 +197,12 @@ class MeshConfig:
         0, ge=0, doc="pipeline: empty layer slots before the first MoE layer (balances the embedding's stage)"
     )
     data: int = _field(1, doc="data-parallel devices (may span domains); -1 fills the remaining devices")
+    context: int = _field(
+        1,
+        gt=0,
+        doc="context-parallel devices (inside a scale-up domain): attention shards each sequence over them "
+        "(zigzag chunks, MLA latents all-gathered) and MoE layers add them to expert parallelism; 1: none",
+    )
     expert: int = _field(1, doc="expert-parallel devices (inside a scale-up domain); -1 fills")
     tensor: int = _field(1, doc="tensor-parallel devices (inside a scale-up domain); -1 fills")
     fsdp: bool = _field(False, doc="shard params, grads and optimizer state over data")
@@ -744,6 +756,37 @@ def _validate_pipeline(config: Config, stages: int) -> None:
         )
 
 
+def _validate_context(config: Config, sizes: dict[str, int]) -> None:
+    """mesh.context > 1: zigzag chunks that divide the sequence, the rules that use the axis, and
+    what runs without it (maxmoe.parallel.context)."""
+    c = sizes.get(CONTEXT_AXIS, 1)
+    if c <= 1:
+        return
+    rules = {**DEFAULT_RULES, **config.mesh.rules}
+    if config.train.seq_len % (2 * c):
+        raise ConfigError(
+            f"train.seq_len={config.train.seq_len} is not divisible by 2 x mesh.context = {2 * c} "
+            f"(each device holds two zigzag chunks of every sequence)"
+        )
+    # maxmoe.mesh.resolve_rules adds `context` to the seq and expert rules; nothing else may use it.
+    if [a for a in rules["seq"] if a != CONTEXT_AXIS]:
+        raise ConfigError(
+            f"mesh.context={c}: the sequence is sharded over context alone; got mesh.rules.seq={list(rules['seq'])}"
+        )
+    others = [k for k, v in rules.items() if k not in ("seq", "expert") and CONTEXT_AXIS in v]
+    if others:
+        raise ConfigError(f"mesh.rules.{others[0]}: only seq and expert may use the context axis")
+    if sizes["pipeline"] > 1:
+        raise ConfigError(
+            f"mesh.context={c} with mesh.pipeline={sizes['pipeline']}: pipeline stages do not run with context parallelism"
+        )
+    if config.model.attention not in ("auto", "chunked"):
+        raise ConfigError(
+            f"model.attention={config.model.attention} with mesh.context={c}: context parallelism runs its own "
+            f"latent attention core (set model.attention=auto or chunked)"
+        )
+
+
 def _validate_shards(data: DataConfig) -> None:
     """data.path or data.mixture (one, not both) for data.source=shards; mixture weights are positive numbers.
 
@@ -855,14 +898,16 @@ def _check_dist(dist: DistConfig) -> None:
 
 
 def mesh_sizes(config: Config) -> dict[str, int]:
-    """The configured mesh sizes; -1 stays -1 until devices are known (maxmoe.mesh resolves it)."""
-    return {a: getattr(config.mesh, a) for a in SIZED_MESH_AXES}
+    """The configured mesh sizes; -1 stays -1 until devices are known (maxmoe.mesh resolves it).
+    `context` is left out when 1 (no context parallelism)."""
+    return {a: getattr(config.mesh, a) for a in SIZED_MESH_AXES if a != CONTEXT_AXIS or config.mesh.context != 1}
 
 
 def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
     """Divisibility of the model and batch by the mesh axes; axes of size -1 are skipped."""
     m, t = config.model, config.train
     _validate_pipeline(config, sizes["pipeline"])
+    _validate_context(config, sizes)
     tensor, expert, data = sizes["tensor"], sizes["expert"], sizes["data"]
     if tensor > 0:
         if m.num_heads % tensor:
@@ -874,6 +919,12 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
                 raise ConfigError(f"model.{name}={getattr(m, name)} is not divisible by mesh.tensor={tensor}")
     if expert > 0 and m.num_experts % expert:
         raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert}")
+    context = sizes.get(CONTEXT_AXIS, 1)
+    if expert > 0 and context > 1 and m.num_experts % (context * expert):
+        raise ConfigError(
+            f"model.num_experts={m.num_experts} is not divisible by mesh.context x mesh.expert = {context * expert} "
+            f"(experts are sharded over both)"
+        )
     if data > 0 and expert > 0:
         shards = data * expert
         micro = t.batch_size // t.grad_accum

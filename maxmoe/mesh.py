@@ -1,4 +1,4 @@
-"""Devices -> a named ([pipeline,] [replica,] data, expert, tensor) mesh over scale-up domains; logical->mesh rules.
+"""Devices -> a named ([pipeline,] [replica,] data, [context,] expert, tensor) mesh over scale-up domains; logical->mesh rules.
 
 What runs on the mesh (kernels, dispatch) is bound in maxmoe.parallel.layout.
 
@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from maxmoe.config import (
+    CONTEXT_AXIS,
     DEFAULT_RULES,
     MESH_AXES,
     OPTIONAL_MESH_AXES,
@@ -103,11 +104,11 @@ def split_replicas(config: Config, sizes: dict[str, int], domain_size: int) -> d
     beside expert x tensor (gcd(data, domain / (expert x tensor))), replica = the rest.
     """
     shape = {REPLICA_AXIS: 1, **sizes}
-    block = sizes["expert"] * sizes["tensor"]
+    block = sizes.get(CONTEXT_AXIS, 1) * sizes["expert"] * sizes["tensor"]
     if config.mesh.across_domains == "zero1" and domain_size % block == 0:
         inside = math.gcd(sizes["data"], domain_size // block)
         shape[REPLICA_AXIS], shape["data"] = sizes["data"] // inside, inside
-    return {a: shape[a] for a in MESH_AXES}
+    return {a: shape.get(a, 1) for a in MESH_AXES}
 
 
 def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
@@ -127,11 +128,16 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
         """Whether any block of `block_size` consecutive devices (one per leading index) spans domains."""
         return any(len({domain_of[d.id] for d in block}) > 1 for block in grid.reshape(-1, block_size))
 
-    block = sizes["expert"] * sizes["tensor"]
+    block = sizes.get(CONTEXT_AXIS, 1) * sizes["expert"] * sizes["tensor"]
     message = None
-    if straddles(block):  # each row: one expert x tensor block (of one stage, replica and data index)
+    if straddles(block):  # each row: one [context x] expert x tensor block (of one stage, replica and data index)
+        names = (
+            "mesh.context x mesh.expert x mesh.tensor"
+            if sizes.get(CONTEXT_AXIS, 1) > 1
+            else "mesh.expert x mesh.tensor"
+        )
         message = (
-            f"mesh.expert x mesh.tensor = {block} devices do not fit inside one "
+            f"{names} = {block} devices do not fit inside one "
             f"scale-up domain (domains of {counts} devices); expert and tensor traffic would cross the slow network"
         )
     elif sizes[REPLICA_AXIS] > 1 and straddles(sizes["data"] * block):
@@ -175,16 +181,25 @@ def zero1_spec(
 
 
 def resolve_rules(config: Config) -> dict[str, tuple[str, ...]]:
-    """Logical axis -> mesh axes, with `fsdp` replaced by data (on) or dropped (off)."""
+    """Logical axis -> mesh axes, with `fsdp` replaced by data (and context, when there is one) or dropped (off).
+
+    With mesh.context > 1 the sequence is sharded over `context` and the experts over
+    `context` x the expert rule's axes (context parallelism folds over expert parallelism).
+    """
+    # Under FSDP `context` shards weights like `data`: outside attention it is more data parallelism.
+    fsdp = ["data", CONTEXT_AXIS] if config.mesh.context > 1 else ["data"]
     rules = {}
     for logical, axes in {**DEFAULT_RULES, **config.mesh.rules}.items():
         resolved = []
         for axis in axes:
-            if axis == "fsdp":
-                axis = "data" if config.mesh.fsdp else None
-            if axis and axis not in resolved:
-                resolved.append(axis)
+            expanded = (fsdp if config.mesh.fsdp else []) if axis == "fsdp" else [axis]
+            for name in expanded:
+                if name not in resolved:
+                    resolved.append(name)
         rules[logical] = tuple(resolved)
+    if config.mesh.context > 1:
+        rules["seq"] = (CONTEXT_AXIS,)
+        rules["expert"] = (CONTEXT_AXIS, *(a for a in rules["expert"] if a != CONTEXT_AXIS))
     return rules
 
 

@@ -103,7 +103,7 @@ def factorisations(n: int, pipelines: tuple[int, ...] = (1,)) -> list[dict[str, 
 
 
 def mesh_name(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in AXES if a != "pipeline" or sizes.get(a, 1) > 1)
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a not in ("pipeline", "context") or sizes.get(a, 1) > 1)
 
 
 def candidate_shapes(

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import DISPATCH_STRATEGIES as STRATEGIES
-from maxmoe.config import GROUPED_MATMUL_BACKENDS, MESH_AXES, MoEConfig, load_config
+from maxmoe.config import GROUPED_MATMUL_BACKENDS, MoEConfig, load_config
 from maxmoe.kernels.grouped_matmul import tokamax_problem
 from maxmoe.parallel.dispatch import DispatchPlan, local_routed_experts, make_dispatch_plan, routed_experts
 from maxmoe.parallel.layout import build_layout
@@ -40,7 +40,7 @@ D, F = 8, 4
 
 
 def make_mesh(shape):
-    return Mesh(np.array(jax.devices()).reshape(shape), MESH_AXES[-3:])  # (data, expert, tensor)
+    return Mesh(np.array(jax.devices()).reshape(shape), ("data", "expert", "tensor"))
 
 
 def make_plan(mesh, strategy, **moe):

@@ -67,7 +67,7 @@ SYSTEM_SOURCE = "vendor datasheets, dense peaks (maxmoe/analysis/assumptions.py,
 
 TIERS = ("scale_up", "scale_out")
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-PHASES = ("loop", "step")
+PHASES = ("loop", "step", "dependent")  # "dependent": on the layer's own activations (exposed)
 
 _A2A_SOURCE = (
     "public EP-transport measurements on NVL72 (DeepEP and NCCL-based dispatch/combine at 32-36 "

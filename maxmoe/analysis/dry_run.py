@@ -118,9 +118,10 @@ METHOD = __doc__.split("\n\n", 1)[1].strip()
 
 
 def tokens_per_shard(config: Config, sizes: dict[str, int]) -> int:
-    """Tokens of one (data, expert) shard in one micro-batch."""
+    """Tokens of one (data, [context,] expert) shard in one micro-batch."""
     t = config.train
-    return math.ceil(t.batch_size // t.grad_accum * t.seq_len / (sizes["data"] * sizes["expert"]))
+    shards = sizes["data"] * sizes.get("context", 1) * sizes["expert"]
+    return math.ceil(t.batch_size // t.grad_accum * t.seq_len / shards)
 
 
 def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
@@ -132,7 +133,7 @@ def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
     not rematerialised); times grad_accum micro-batches. Returns {"forward", "backward"}.
     """
     m = config.model
-    p = sizes["expert"]
+    p = sizes.get("context", 1) * sizes["expert"]  # experts fold over context x expert
     if p <= 1:
         return {"forward": 0.0, "backward": 0.0}
     width = 2 if m.compute_dtype == "bfloat16" else 4
@@ -155,7 +156,7 @@ def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
 def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
     """Rough extra temp of the CPU emulation per call: the sent and received [P, M, D] blocks."""
     m = config.model
-    p = sizes["expert"]
+    p = sizes.get("context", 1) * sizes["expert"]
     if plan is None or p <= 1:
         return 0.0
     width = 2 if m.compute_dtype == "bfloat16" else 4

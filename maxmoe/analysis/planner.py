@@ -31,7 +31,9 @@ xla.profile). The model, per device and per step; every constant is a field of
               every loop (the two-tier gather and reduce-scatter: nothing beside them). The
               expert all-to-all is hidden (a2a_batch_split_overlap) only where the workload
               says the lowered program has independent chains (moe.overlap=batch_split,
-              maxmoe.analysis.hlo_deps).
+              maxmoe.analysis.hlo_deps). phase "dependent": in the loop but on the layer's own
+              activations, so nothing can prefetch it (context parallelism's latent gathers and
+              their reduce-scatters, `maxmoe.parallel.context.LATENT_GATHER`): exposed.
   hidden      checked per pass: what is called hidden in the forward (backward) pass must fit
               under that pass's compute -- per layer, as each loop-phase collective runs once
               per layer and micro-batch beside that layer's compute; the forward pass holds a
@@ -55,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 
 from maxmoe.analysis.assumptions import GB, KINDS, PHASES, SYSTEMS, TIERS, Assumptions, System, table
+from maxmoe.config import LATENT_GATHER
 
 __all__ = ["GB", "SYSTEMS", "System", "Assumptions", "KINDS", "PHASES", "TIERS"]
 PASSES = ("forward", "backward", "other")
@@ -302,6 +305,7 @@ def workload_from_ops(
     combine_thresholds of the system's profile) the combined collectives: rows of a kind in
     `combine_bytes` that share computation, pass, tier and group size pack into
     `combine_bins` of their result bytes, once per run.
+    "dependent" = the latent gathers of context parallelism (their jax scope names them).
     """
     combine_bytes = combine_bytes or {}
     classes: dict[tuple, list] = {}
@@ -309,7 +313,8 @@ def workload_from_ops(
     for r in rows:
         tier = "scale_out" if r["cross_domain"] else "scale_up"
         looped = r.get("in_loop", r["runs"] > 1)
-        key = (tier, r["kind"], "loop" if looped else "step", r.get("pass", "backward"))
+        phase = "dependent" if LATENT_GATHER in r.get("op_name", "") else "loop" if looped else "step"
+        key = (tier, r["kind"], phase, r.get("pass", "backward"))
         total = classes.setdefault(key, [0.0, 0, 2])
         total[0] += r["bytes"]
         total[2] = max(total[2], r["peers"])

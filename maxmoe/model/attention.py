@@ -11,6 +11,7 @@ Axis legend: B batch, T query time, S key time, D embed, H heads, K head dim, L 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -20,7 +21,12 @@ import jax.numpy as jnp
 
 from maxmoe.kernels.attention import kernel, length_problem
 from maxmoe.kernels.choice import resolve_attention, target
-from maxmoe.model.attention_ops import chunked_attention, xla_attention
+from maxmoe.model.attention_ops import (
+    chunked_attention,
+    latent_attention_backward,
+    latent_attention_forward,
+    xla_attention,
+)
 from maxmoe.model.layers import RMSNorm, constrain, logical_param, project
 from maxmoe.model.rope import apply_rope, attention_scale
 
@@ -91,6 +97,22 @@ class MLA(nn.Module):
         kv_latent = RMSNorm(c.rms_norm_eps, "kv_lora", name="kv_norm")(kv_latent)
         k_rope_BT1R = proj(x, btd, "w_k_rope", (d, rope), ("embed", "head_dim"))[:, :, None, :]
         latent_axes, up_axes = ("batch", "seq", "kv_lora"), ("kv_lora", "heads", "head_dim")
+        if self.layout is not None and self.layout.context > 1:
+            # Context parallelism: the latents travel, keys and values are made inside the core.
+            q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BT, c)], axis=-1)
+            k_rope_BTR = apply_rope(k_rope_BT1R, positions_BT, c)[:, :, 0]
+            w_k_up, w_v_up = (
+                param("w_k_up", (c.kv_lora_rank, h, nope), up_axes),
+                param("w_v_up", (c.kv_lora_rank, h, v), up_axes),
+            )
+            blocks = {"scale": attention_scale(c), "block": c.attention_chunk}
+            core = self.layout.latent_attention(
+                functools.partial(latent_attention_forward, **blocks),
+                functools.partial(latent_attention_backward, **blocks),
+            )
+            out_BTHK = core(q, positions_BT, kv_latent, k_rope_BTR, w_k_up, w_v_up)
+            out_axes = ("batch", "seq", "heads", "head_dim")
+            return proj(out_BTHK, out_axes, "w_out", (h, v, d), ("heads", "head_dim", "embed"), "bthk,hkd->btd")
         k_nope = proj(kv_latent, latent_axes, "w_k_up", (c.kv_lora_rank, h, nope), up_axes, up)
         v_BSHK = proj(kv_latent, latent_axes, "w_v_up", (c.kv_lora_rank, h, v), up_axes, up)
 

@@ -7,6 +7,9 @@
            are computed, and nothing of size T x S is ever held -- the backward pass keeps
            q, k, v, the output and one float32 log-sum-exp per query, and recomputes each
            block's scores. Memory is linear in T; any platform.
+  latent   context parallelism's core (`latent_attention`): a device's queries, at any positions,
+           against the whole sequence given as MLA latents, up-projected to keys and values
+           block by block inside the key loop; its own VJP (maxmoe.parallel.context).
 GPU kernels (Pallas Triton, cuDNN) live in maxmoe.kernels.attention.
 
 Precision matches the oracle: scores, softmax statistics and accumulators in float32, the
@@ -152,3 +155,211 @@ def _chunked_bwd(scale, c, residuals, d_out_BTHV):
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# ----------------------------------------------------------------------------------------
+# Latent attention for context parallelism: local queries against the whole sequence's latents.
+#
+# Axis legend here: T local queries, S all keys (natural order), L kv latent, R rope dim,
+# N qk_nope head dim, g query groups, n key blocks.
+
+
+def latent_attention(
+    q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV, *, scale: float, block: int = 512
+) -> jax.Array:
+    """Causal MLA for queries at `q_positions` against keys 0..S-1 given as latents (the context-parallel core).
+
+    q_BTHK: the queries [nope | rope], any positions (a device's zigzag chunks);
+    latent_BSL, k_rope_BSR: the normalised kv latent and post-RoPE shared rope key of the whole
+    sequence in natural order; w_k_up_LHN, w_v_up_LHV: the key and value up-projections.
+    Equals softmax(q k^T * scale, causal by position) v with k = [latent w_k_up | k_rope] and
+    v = latent w_v_up, but the up-projection runs inside the key loop, one block of `block`
+    keys at a time, each block up-projected once (forward) and once again (backward): keys
+    and values of the whole sequence never exist. Query groups (of up to `block` queries)
+    whose last position precedes a key block skip it, so a device holding zigzag chunks
+    d and 2C-1-d visits 2C + 1 chunks' worth of blocks, like every other device.
+    Its own VJP returns the latents' and rope keys' gradients per key block.
+    """
+    t, s = q_BTHK.shape[1], latent_BSL.shape[1]
+    return _latent(
+        q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV,
+        float(scale), chunk_size(t, block), chunk_size(s, block),
+    )  # fmt: skip
+
+
+def latent_attention_forward(
+    q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV, *, scale: float, block: int = 512
+):
+    """`latent_attention`'s forward: the output [B, T, H, V] and the float32 log-sum-exp its backward needs."""
+    cq, ck = chunk_size(q_BTHK.shape[1], block), chunk_size(latent_BSL.shape[1], block)
+    return _latent_forward(q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV, float(scale), cq, ck)
+
+
+def latent_attention_backward(
+    q_BTHK,
+    q_positions_BT,
+    latent_BSL,
+    k_rope_BSR,
+    w_k_up_LHN,
+    w_v_up_LHV,
+    out_BTHV,
+    lse,
+    d_out_BTHV,
+    *,
+    scale,
+    block=512,
+):
+    """`latent_attention`'s backward: (dq, d_latent, d_k_rope, d_w_k_up, d_w_v_up) from the forward's output and lse."""
+    cq, ck = chunk_size(q_BTHK.shape[1], block), chunk_size(latent_BSL.shape[1], block)
+    residuals = (q_BTHK, q_positions_BT, latent_BSL, k_rope_BSR, w_k_up_LHN, w_v_up_LHV, out_BTHV, lse)
+    dq, _, d_latent, d_rope, dw_k, dw_v = _latent_bwd(float(scale), cq, ck, residuals, d_out_BTHV)
+    return dq, d_latent, d_rope, dw_k, dw_v
+
+
+def _groups(x_BT_, size):
+    """[B, T, *] -> [g, B, size, *]."""
+    b, t = x_BT_.shape[:2]
+    return x_BT_.reshape(b, t // size, size, *x_BT_.shape[2:]).swapaxes(0, 1)
+
+
+def _latent_scores(q_BTHK, q_pos_BT, k_nope_BSHN, k_rope_BSR, k_start, scale):
+    """Scaled float32 scores [B, H, T, S] of one query group against one key block, causally masked."""
+    nope = k_nope_BSHN.shape[-1]
+    scores = jnp.einsum("bthn,bshn->bhts", q_BTHK[..., :nope], k_nope_BSHN, preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bthr,bsr->bhts", q_BTHK[..., nope:], k_rope_BSR, preferred_element_type=jnp.float32)
+    visible_BTS = q_pos_BT[:, :, None] >= (k_start + jnp.arange(k_nope_BSHN.shape[1]))[None, None, :]
+    return jnp.where(visible_BTS[:, None], scores * scale, NEG_INF)
+
+
+def _up(latent_BSL, w_LH_):
+    return jnp.einsum("bsl,lhk->bshk", latent_BSL, w_LH_)
+
+
+def _latent_forward(q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, scale, cq, ck):
+    """Output [B, T, H, V] and float32 log-sum-exp [g, B, H, cq]; key blocks outer, query groups inner."""
+    b, _, h, _ = q_BTHK.shape
+    vd = w_v_LHV.shape[-1]
+    q_g, pos_g = _groups(q_BTHK, cq), _groups(q_pos_BT, cq)
+    last_g = pos_g.max(axis=(1, 2))  # the last position of each query group
+    lat_n, rope_n = _groups(latent_BSL, ck), _groups(k_rope_BSR, ck)
+    ng = q_g.shape[0]
+
+    def key_block(carry, j):
+        k_nope, v = _up(lat_n[j], w_k_LHN), _up(lat_n[j], w_v_LHV)
+
+        def group(g, carry):
+            acc_g, max_g, sum_g = carry
+
+            def update(state):
+                acc, row_max, row_sum = state
+                scores = _latent_scores(q_g[g], pos_g[g], k_nope, rope_n[j], j * ck, scale)
+                new_max = jnp.maximum(row_max, scores.max(-1))
+                probs = jnp.exp(scores - new_max[..., None])
+                rescale = jnp.exp(row_max - new_max)
+                pv = jnp.einsum("bhts,bshv->bhtv", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                return acc * rescale[..., None] + pv, new_max, row_sum * rescale + probs.sum(-1)
+
+            # Key block 0 is visible to every query, so each row's running max is finite after it.
+            new = jax.lax.cond(last_g[g] >= j * ck, update, lambda x: x, (acc_g[g], max_g[g], sum_g[g]))
+            return acc_g.at[g].set(new[0]), max_g.at[g].set(new[1]), sum_g.at[g].set(new[2])
+
+        return jax.lax.fori_loop(0, ng, group, carry), None
+
+    init = (
+        jnp.zeros((ng, b, h, cq, vd), jnp.float32),
+        jnp.full((ng, b, h, cq), NEG_INF, jnp.float32),
+        jnp.zeros((ng, b, h, cq), jnp.float32),
+    )
+    (acc, row_max, row_sum), _ = jax.lax.scan(key_block, init, jnp.arange(lat_n.shape[0]))
+    out_gBCHV = (acc / row_sum[..., None]).transpose(0, 1, 3, 2, 4).astype(latent_BSL.dtype)
+    return _unblocks(out_gBCHV), row_max + jnp.log(row_sum)
+
+
+# Inside a scan (the layer stack) jax's partial evaluation would split these loops and keep every
+# block's probabilities as residuals; as a checkpoint with nothing saveable it keeps the inputs.
+_latent_forward = jax.checkpoint(
+    _latent_forward, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(6, 7, 8)
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _latent(q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, scale, cq, ck):
+    return _latent_forward(q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, scale, cq, ck)[0]
+
+
+def _latent_fwd(q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, scale, cq, ck):
+    out, lse = _latent_forward(q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, scale, cq, ck)
+    return out, (q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, out, lse)
+
+
+def _latent_bwd(scale, cq, ck, residuals, d_out_BTHV):
+    """Per key block: up-project once, visit the query groups that see it, fold dk and dv back into
+    the latent's, the rope key's and the up-projections' gradients."""
+    q_BTHK, q_pos_BT, latent_BSL, k_rope_BSR, w_k_LHN, w_v_LHV, out_BTHV, lse_g = residuals
+    dt, nope = latent_BSL.dtype, w_k_LHN.shape[-1]
+    q_g, pos_g, do_g = _groups(q_BTHK, cq), _groups(q_pos_BT, cq), _groups(d_out_BTHV.astype(dt), cq)
+    last_g = pos_g.max(axis=(1, 2))
+    # delta = rowsum(dO * O): the softmax backward's correction term, one float32 per query.
+    delta_BHT = jnp.einsum("bthv,bthv->bht", d_out_BTHV.astype(jnp.float32), out_BTHV.astype(jnp.float32))
+    delta_g = delta_BHT.reshape(*delta_BHT.shape[:2], -1, cq).transpose(2, 0, 1, 3)
+    lat_n, rope_n = _groups(latent_BSL, ck), _groups(k_rope_BSR, ck)
+    ng = q_g.shape[0]
+
+    def key_block(carry, j):
+        dq_g, dw_k, dw_v = carry
+        lat, k_rope = lat_n[j], rope_n[j]
+        k_nope, v = _up(lat, w_k_LHN), _up(lat, w_v_LHV)
+
+        def group(g, inner):
+            def update(state):
+                dk_nope, dk_rope, dv, dq = state
+                q, do = q_g[g], do_g[g]
+                scores = _latent_scores(q, pos_g[g], k_nope, k_rope, j * ck, scale)
+                probs = jnp.exp(scores - lse_g[g][..., None])
+                dv = dv + jnp.einsum("bhts,bthv->bshv", probs.astype(dt), do, preferred_element_type=jnp.float32)
+                d_probs = jnp.einsum("bthv,bshv->bhts", do, v, preferred_element_type=jnp.float32)
+                d_scores = (probs * (d_probs - delta_g[g][..., None]) * scale).astype(dt)
+                dk_nope = dk_nope + jnp.einsum(
+                    "bhts,bthn->bshn", d_scores, q[..., :nope], preferred_element_type=jnp.float32
+                )
+                dk_rope = dk_rope + jnp.einsum(
+                    "bhts,bthr->bsr", d_scores, q[..., nope:], preferred_element_type=jnp.float32
+                )
+                dq_nope = jnp.einsum("bhts,bshn->bthn", d_scores, k_nope, preferred_element_type=jnp.float32)
+                dq_rope = jnp.einsum("bhts,bsr->bthr", d_scores, k_rope, preferred_element_type=jnp.float32)
+                return dk_nope, dk_rope, dv, dq + jnp.concatenate([dq_nope, dq_rope], axis=-1)
+
+            dk_nope, dk_rope, dv, dq_g = inner
+            new = jax.lax.cond(last_g[g] >= j * ck, update, lambda x: x, (dk_nope, dk_rope, dv, dq_g[g]))
+            return new[0], new[1], new[2], dq_g.at[g].set(new[3])
+
+        zeros = (
+            jnp.zeros(k_nope.shape, jnp.float32),
+            jnp.zeros(k_rope.shape, jnp.float32),
+            jnp.zeros(v.shape, jnp.float32),
+        )
+        dk_nope, dk_rope, dv, dq_g = jax.lax.fori_loop(0, ng, group, (*zeros, dq_g))
+        dk_nope, dv = dk_nope.astype(dt), dv.astype(dt)
+        d_lat = jnp.einsum("bshn,lhn->bsl", dk_nope, w_k_LHN, preferred_element_type=jnp.float32)
+        d_lat += jnp.einsum("bshv,lhv->bsl", dv, w_v_LHV, preferred_element_type=jnp.float32)
+        dw_k = dw_k + jnp.einsum("bsl,bshn->lhn", lat, dk_nope, preferred_element_type=jnp.float32)
+        dw_v = dw_v + jnp.einsum("bsl,bshv->lhv", lat, dv, preferred_element_type=jnp.float32)
+        return (dq_g, dw_k, dw_v), (d_lat, dk_rope)
+
+    init = (
+        jnp.zeros(q_g.shape, jnp.float32),
+        jnp.zeros(w_k_LHN.shape, jnp.float32),
+        jnp.zeros(w_v_LHV.shape, jnp.float32),
+    )
+    (dq_g, dw_k, dw_v), (d_lat_n, d_rope_n) = jax.lax.scan(key_block, init, jnp.arange(lat_n.shape[0]))
+    return (
+        _unblocks(dq_g).astype(q_BTHK.dtype),
+        None,
+        _unblocks(d_lat_n).astype(latent_BSL.dtype),
+        _unblocks(d_rope_n).astype(k_rope_BSR.dtype),
+        dw_k.astype(w_k_LHN.dtype),
+        dw_v.astype(w_v_LHV.dtype),
+    )
+
+
+_latent.defvjp(_latent_fwd, _latent_bwd)

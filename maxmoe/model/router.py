@@ -20,28 +20,51 @@ from maxmoe.model.layers import logical_param
 
 
 class Routing(NamedTuple):
+    # Leading dims as the logits' ([N] or [B, T]).
     expert_ids_NK: jax.Array  # int32 chosen experts
     weights_NK: jax.Array  # float32 combine weights (normalised and scaled)
     scores_NE: jax.Array  # float32 affinity scores before the bias
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k over the last axis as k rounds of max / argmax (ties: the lower index first, as top_k).
+
+    XLA's SPMD partitioner all-gathers the tokens of a sharded operand for its TopK (every
+    token dim, e.g. a sequence sharded over `context`); max and argmax are reductions over
+    the last axis alone, partitioned where the tokens lie. k is small (2, the groups, 8).
+    """
+    values, indices = [], []
+    positions = jnp.arange(x.shape[-1])
+    for _ in range(k):
+        index = jnp.argmax(x, axis=-1)
+        values.append(x.max(axis=-1))
+        indices.append(index)
+        x = jnp.where(positions == index[..., None], -jnp.inf, x)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
+
+
 def route(logits_NE: jax.Array, bias_E: jax.Array, config) -> Routing:
-    """Choose top-k experts per token: scores + bias pick, unbiased scores weigh."""
+    """Choose top-k experts per token: scores + bias pick, unbiased scores weigh.
+
+    Tokens may have any leading dims ([N, E] or [B, T, E]); the routing keeps them, so a
+    sequence sharded over the mesh (context parallelism) is routed where it lies.
+    """
     c = config
     if c.score_func == "sigmoid":
         scores = jax.nn.sigmoid(logits_NE)
     else:
         scores = jax.nn.softmax(logits_NE, axis=-1)
     choice = scores + bias_E
-    n, e = scores.shape
+    e = scores.shape[-1]
     if c.num_expert_groups > 1:
-        grouped = choice.reshape(n, c.num_expert_groups, e // c.num_expert_groups)
-        group_score_NG = jax.lax.top_k(grouped, 2)[0].sum(-1)
-        _, top_groups = jax.lax.top_k(group_score_NG, c.topk_groups)
-        keep_NG = jnp.zeros_like(group_score_NG, dtype=bool).at[jnp.arange(n)[:, None], top_groups].set(True)
-        keep_NE = jnp.repeat(keep_NG, e // c.num_expert_groups, axis=1)
+        grouped = choice.reshape(*choice.shape[:-1], c.num_expert_groups, e // c.num_expert_groups)
+        group_score_NG = top_k(grouped, 2)[0].sum(-1)
+        _, top_groups = top_k(group_score_NG, c.topk_groups)
+        # A one-hot of the chosen groups (no scatter: per token, whatever its leading dims).
+        keep_NG = (top_groups[..., None] == jnp.arange(c.num_expert_groups)).any(-2)
+        keep_NE = jnp.repeat(keep_NG, e // c.num_expert_groups, axis=-1)
         choice = jnp.where(keep_NE, choice, -jnp.inf)
-    _, expert_ids = jax.lax.top_k(choice, c.experts_per_token)
+    _, expert_ids = top_k(choice, c.experts_per_token)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if c.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
@@ -79,11 +102,10 @@ class Router(nn.Module):
         e = c.num_experts
         w_DE = logical_param(self, "w_gate", (c.hidden_size, e), (None, None), std=c.init_std)
         bias = self.variable("router", "bias", lambda: jnp.zeros((e,), jnp.float32))
-        b, t, d = x_BTD.shape
-        logits_NE = x_BTD.reshape(b * t, d).astype(jnp.float32) @ w_DE
-        routing = route(logits_NE, jax.lax.stop_gradient(bias.value), c)
-        ids_BTK = routing.expert_ids_NK.reshape(b, t, -1)
-        seq_aux = sequence_balance_loss(routing.scores_NE.reshape(b, t, e), ids_BTK, c)
+        # Routed as [B, T, E]: flattening tokens first would reshuffle a sequence-sharded batch.
+        logits_BTE = x_BTD.astype(jnp.float32) @ w_DE
+        routing = route(logits_BTE, jax.lax.stop_gradient(bias.value), c)
+        seq_aux = sequence_balance_loss(routing.scores_NE, routing.expert_ids_NK, c)
         # Statistics for the train step and metrics; written, never read by the model. Not at
         # init, so that initialisation depends on no input (flax's lazy_init).
         load = self.variable("moe_stats", "load", lambda: jnp.zeros((e,), jnp.float32))

@@ -121,6 +121,13 @@ def shift_left(x_BT: jax.Array, k: int) -> jax.Array:
     return jnp.pad(x_BT[:, k:], ((0, 0), (0, min(k, x_BT.shape[1]))))
 
 
+def in_layout_order(layout: Any, x_BT: jax.Array) -> jax.Array:
+    """A [B, T, ...] array made in natural order, its columns permuted into the layout's sequence
+    order (the zigzag split under context parallelism; unchanged otherwise)."""
+    order = None if layout is None else layout.sequence_order(x_BT.shape[1])
+    return x_BT if order is None else x_BT[:, order]
+
+
 class Transformer(nn.Module):
     """The DeepSeek-V3 language model; returns main logits and MTP logits (fp32).
 
@@ -128,6 +135,10 @@ class Transformer(nn.Module):
     states of the main model and of each MTP depth ([B, T, D] each, compute dtype); the
     loss then applies the head (param `head` [D, V]) chunk by chunk, so float32 logits of
     the whole batch never exist (`maxmoe.training.loss`).
+
+    Under context parallelism (a layout with mesh.context > 1) the outputs' T axis is in the
+    layout's order (`in_layout_order`): positions and MTP's shifted inputs are made from the
+    natural-order tokens, then permuted, and the loss permutes targets and masks alike.
     """
 
     config: ModelConfig
@@ -138,9 +149,9 @@ class Transformer(nn.Module):
         c = self.config
         dtype = COMPUTE_DTYPES[c.compute_dtype]
         b, t = tokens_BT.shape
-        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions_BT = in_layout_order(self.layout, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
         embed = Embed(c.vocab_size, c.hidden_size, dtype, c.init_std, self.layout, name="embed")
-        x = constrain(self.layout, embed(tokens_BT), ("batch", "seq", "embed"))
+        x = constrain(self.layout, embed(in_layout_order(self.layout, tokens_BT)), ("batch", "seq", "embed"))
         if c.first_k_dense:
             x, _ = _stack(c, False, c.first_k_dense, "dense_layers", dtype, self.layout)(x, positions_BT)
         if c.num_layers > c.first_k_dense:
@@ -156,7 +167,7 @@ class Transformer(nn.Module):
         h = normed_BTD  # MTP depth 1 reads the final-normed hidden state, as the release's MTP does
         for k in range(1, c.mtp_num_layers + 1):
             h, normed = MTPLayer(c, dtype, self.layout, name=f"mtp_{k - 1}")(
-                h, embed(shift_left(tokens_BT, k)), positions_BT
+                h, embed(in_layout_order(self.layout, shift_left(tokens_BT, k))), positions_BT
             )
             mtp_logits.append(head(normed))
         return logits_BTV, mtp_logits

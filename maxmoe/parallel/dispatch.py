@@ -148,7 +148,8 @@ class DispatchPlan:
         mesh: the (data, expert, tensor) mesh.
         strategy: one of maxmoe.config.DISPATCH_STRATEGIES.
         token_axes: mesh axes the flattened token dim is sharded over inside the shard_map.
-        expert_axis: the mesh axis experts are sharded over (tokens are exchanged over it).
+        expert_axis: the mesh axis experts are sharded over (tokens are exchanged over it), or a
+            tuple of axes (with context parallelism: ("context", "expert"), one exchange group).
         tensor_axis: the mesh axis F is sharded over, or None when F is whole on every device.
         a2a_impl: the ragged all-to-all of ragged_a2a, one of RAGGED_A2A_IMPLS: "native"
             (GPU, TPU), "emulate" (the dense emulation, CPU) or "balanced_stand_in" (native
@@ -164,12 +165,16 @@ class DispatchPlan:
             all-to-all (the collective gets a2a_chunks x P slices; rows land where they did).
         fp8_dispatch: ragged_a2a sends the rows in fp8 with their scales when the experts run
             an fp8 recipe (`maxmoe.parallel.fp8_dispatch`).
+        seq_axes: the trailing token axes that shard the sequence dim of [B, T] activations
+            (context parallelism); tokens then enter the shard_map as [B, T] blocks and are
+            flattened on each device, since flattening a sequence-sharded [B, T] globally
+            would reshuffle it.
     """
 
     mesh: Mesh
     strategy: str
     token_axes: tuple
-    expert_axis: str
+    expert_axis: str | tuple
     tensor_axis: str | None
     a2a_impl: str
     buffer_factor: float = 0.0
@@ -178,6 +183,7 @@ class DispatchPlan:
     overlap: str = "none"
     a2a_chunks: int = 1
     fp8_dispatch: bool = False
+    seq_axes: tuple = ()
 
     def __post_init__(self):
         if self.a2a_impl not in RAGGED_A2A_IMPLS:
@@ -193,7 +199,7 @@ class DispatchPlan:
 
     @property
     def expert_ranks(self) -> int:
-        return self.mesh.shape[self.expert_axis]
+        return math.prod(self.mesh.shape[a] for a in _axes_tuple(self.expert_axis))
 
     def buffer_rows(self, tokens_per_shard: int, top_k: int, num_experts: int) -> int:
         """ragged_a2a receive rows per expert rank: the dropless bound, or less with buffer_factor."""
@@ -225,6 +231,8 @@ class DispatchPlan:
                 f"{num_experts} experts are not divisible by the {self.expert_ranks} "
                 f"ranks of mesh axis {self.expert_axis!r}"
             )
+        if self.seq_axes:
+            return self._sequence_sharded(x_BTD, expert_ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, fp8)
         n_global = b * t
         pad = -n_global % self.token_shards
         x_ND = jnp.pad(x_BTD.reshape(n_global, d), ((0, pad), (0, 0)))
@@ -232,7 +240,22 @@ class DispatchPlan:
             expert_ids_BTK.reshape(n_global, k).astype(jnp.int32), ((0, pad), (0, 0)), constant_values=num_experts
         )
         weights_NK = jnp.pad(weights_BTK.reshape(n_global, k), ((0, pad), (0, 0)))
-        n = (n_global + pad) // self.token_shards
+
+        tokens = PartitionSpec(self.token_axes, None)
+        w_in = PartitionSpec(self.expert_axis, None, self.tensor_axis)
+        w_out = PartitionSpec(self.expert_axis, self.tensor_axis, None)
+        # Nested in the per-replica shard_map of the two-tier step, only the in-domain axes go manual.
+        y_ND, dropped_frac = shard_map_in_context(
+            self._shard_fn(num_experts, k, fp8),
+            mesh=self.mesh,
+            in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+            out_specs=(tokens, PartitionSpec()),
+        )(x_ND, ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        return y_ND[:n_global].reshape(b, t, d), jax.lax.stop_gradient(dropped_frac)
+
+    def _shard_fn(self, num_experts: int, k: int, fp8: str):
+        """shard(x_nD, ids_nK, weights_nK, w_gate, w_up, w_down) -> (y_nD, dropped fraction): one
+        device's part of the strategy inside the shard_map."""
 
         def body(x_nD, ids_nK, weights_nK, *weights):
             # Buffers and capacity are sized for the rows this call sees (a half under batch_split).
@@ -276,26 +299,40 @@ class DispatchPlan:
             second = body(x_nD[half:], ids_nK[half:], weights_nK[half:], *weights)
             return jnp.concatenate([first[0], second[0]]), first[1] + second[1], first[2] + second[2]
 
-        run_body = split_body if self.overlap == "batch_split" and n > 1 else body
-
         def shard(*args):
+            run_body = split_body if self.overlap == "batch_split" and args[0].shape[0] > 1 else body
             y_nD, dropped, copies = run_body(*args)
             if self.tensor_axis is not None:
                 y_nD = jax.lax.psum(y_nD, self.tensor_axis)
             dropped, copies = jax.lax.psum((dropped, copies), self.token_axes)
             return y_nD, dropped.astype(jnp.float32) / jnp.maximum(copies, 1).astype(jnp.float32)
 
-        tokens = PartitionSpec(self.token_axes, None)
+        return shard
+
+    def _sequence_sharded(self, x_BTD, ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, fp8):
+        """`routed_experts` for [B, T] tokens sharded over batch and sequence axes: each device
+        flattens its own block (the batch and sequence must divide their shards)."""
+        num_experts, k, d = w_gate_EDF.shape[0], ids_BTK.shape[-1], x_BTD.shape[-1]
+        run = self._shard_fn(num_experts, k, fp8)
+
+        def shard(x_BTD, ids_BTK, weights_BTK, *weights):
+            b, t = x_BTD.shape[:2]
+            y_nD, dropped_frac = run(
+                x_BTD.reshape(b * t, d), ids_BTK.reshape(b * t, k), weights_BTK.reshape(b * t, k), *weights
+            )
+            return y_nD.reshape(b, t, d), dropped_frac
+
+        batch = tuple(a for a in self.token_axes if a not in self.seq_axes) or None
+        tokens = PartitionSpec(batch, self.seq_axes, None)
         w_in = PartitionSpec(self.expert_axis, None, self.tensor_axis)
         w_out = PartitionSpec(self.expert_axis, self.tensor_axis, None)
-        # Nested in the per-replica shard_map of the two-tier step, only the in-domain axes go manual.
-        y_ND, dropped_frac = shard_map_in_context(
+        y_BTD, dropped_frac = shard_map_in_context(
             shard,
             mesh=self.mesh,
             in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
             out_specs=(tokens, PartitionSpec()),
-        )(x_ND, ids_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
-        return y_ND[:n_global].reshape(b, t, d), jax.lax.stop_gradient(dropped_frac)
+        )(x_BTD, ids_BTK.astype(jnp.int32), weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        return y_BTD, jax.lax.stop_gradient(dropped_frac)
 
 
 def _axes_tuple(axes) -> tuple:
@@ -309,11 +346,12 @@ def make_dispatch_plan(
     moe_config,
     *,
     token_axes,
-    expert_axis: str = "expert",
+    expert_axis: str | tuple = "expert",
     tensor_axis: str = "tensor",
     weight_specs: dict,
     platform: str | None = None,
     grouped_matmul: str | None = None,
+    seq_axes=None,
 ) -> DispatchPlan:
     """The expert-parallel plan for `mesh` and `moe_config` (a MoEConfig).
 
@@ -325,7 +363,7 @@ def make_dispatch_plan(
             Inside the shard_map tokens are sharded over these axes (minus `tensor_axis`)
             followed by any of data / `expert_axis` not among them: slicing a replicated
             dim is free, and every expert rank must own distinct tokens.
-        expert_axis: mesh axis the expert dim of the weights is sharded over.
+        expert_axis: mesh axis (or tuple of axes) the expert dim of the weights is sharded over.
         tensor_axis: mesh axis F may be sharded over.
         weight_specs: PartitionSpecs of "w_gate", "w_up" [E, D, F] and "w_down" [E, F, D];
             only whether F is sharded over `tensor_axis` is read (D enters unsharded).
@@ -333,6 +371,8 @@ def make_dispatch_plan(
             whether ragged all-to-all is emulated. Default: jax.default_backend().
         grouped_matmul: the resolved grouped GEMM backend (maxmoe.kernels.choice);
             default: moe_config.grouped_matmul unless that is "auto", then "ragged_dot".
+        seq_axes: mesh axes sharding the sequence dim of activations (context parallelism):
+            the minor token axes, tokens entering the shard_map as [B, T] blocks.
 
     Raises:
         ValueError: for an unknown strategy or axis, or inconsistent F sharding.
@@ -342,10 +382,12 @@ def make_dispatch_plan(
         raise ValueError(
             f"unknown moe.dispatch {moe_config.dispatch!r}; expected 'auto' or one of {DISPATCH_STRATEGIES}"
         )
-    if expert_axis not in mesh.axis_names:
+    if any(a not in mesh.axis_names for a in _axes_tuple(expert_axis)):
         raise ValueError(f"expert axis {expert_axis!r} is not a mesh axis {mesh.axis_names}")
-    axes = [a for a in _axes_tuple(token_axes) if a != tensor_axis]
-    axes += [a for a in ("data", expert_axis) if a in mesh.axis_names and a not in axes]
+    seq = tuple(a for a in _axes_tuple(seq_axes) if a != tensor_axis)
+    axes = [a for a in _axes_tuple(token_axes) if a != tensor_axis and a not in seq]
+    axes += [a for a in ("data", *_axes_tuple(expert_axis)) if a in mesh.axis_names and a not in axes + list(seq)]
+    axes += list(seq)
 
     def shards_f(spec, dim):
         entry = tuple(spec)[dim] if len(tuple(spec)) > dim else None
@@ -378,4 +420,5 @@ def make_dispatch_plan(
         overlap=moe_config.overlap,
         a2a_chunks=moe_config.a2a_chunks,
         fp8_dispatch=moe_config.fp8_dispatch,
+        seq_axes=seq,
     )

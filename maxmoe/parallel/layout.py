@@ -16,15 +16,17 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxmoe.config import REPLICA_AXIS, Config, ConfigError
+from maxmoe.config import CONTEXT_AXIS, REPLICA_AXIS, Config, ConfigError
 from maxmoe.kernels.attention import kernel, sharded_attention
-from maxmoe.kernels.choice import resolve_kernels
+from maxmoe.kernels.choice import Choice, resolve_kernels
 from maxmoe.kernels.fp8_dense import sharded_fp8_projection
 from maxmoe.kernels.fp8_matmul import blockwise_kernels, fp8_matmul
 from maxmoe.kernels.shard_context import axes_of, context_sharding
 from maxmoe.mesh import build_mesh, check_divisible, indivisible, logical_to_spec, resolve_rules, zero1_spec
+from maxmoe.parallel import context as context_parallel
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
 
 
@@ -79,6 +81,22 @@ class Layout:
         avoids it. Outside the two-tier mode the table stays as the rules shard it.
         """
         return self.constrain(table, (None,) * table.ndim) if self.replicas > 1 else table
+
+    @property
+    def context(self) -> int:
+        """Size of the `context` axis (1 without context parallelism)."""
+        return self.shape.get(CONTEXT_AXIS, 1)
+
+    def sequence_order(self, t: int) -> np.ndarray | None:
+        """The natural positions of a [B, t] activation's columns in layout order (the zigzag
+        split over `context`), or None when the sequence stays in natural order."""
+        return context_parallel.zigzag_order(t, self.context) if self.context > 1 else None
+
+    def latent_attention(self, forward, backward):
+        """fn(q, positions, latent, k_rope, w_k_up, w_v_up): MLA's core (its `forward` and `backward`)
+        on each device's queries, the latents all-gathered over `context` (maxmoe.parallel.context)."""
+        spec = tuple(self.spec(("batch", "seq", "heads", "head_dim"))) + (None,) * 4
+        return context_parallel.latent_attention(forward, backward, self.mesh, spec[0], spec[2])
 
     def attention_fn(self, name: str):
         """fn(q, k, v, scale) for attention kernel `name` [batch, seq, heads, head_dim], placed on the mesh."""
@@ -191,17 +209,24 @@ def build_layout(
     rules = resolve_rules(config)
     kernels = resolve_kernels(config, platform, device_kind)
     plan = None
+    attention = kernels.attention
+    if CONTEXT_AXIS in mesh.shape:
+        # The latent core up-projects keys and values inside its key loop (config refuses other cores).
+        attention = Choice(
+            "chunked", f"mesh.context={mesh.shape[CONTEXT_AXIS]}: latents gathered, up-projected in the key loop"
+        )
     if mesh.size > 1:
         plan = make_dispatch_plan(
             mesh,
             config.moe,
             grouped_matmul=kernels.grouped_matmul.name,
             token_axes=logical_to_spec(("batch",), rules, dict(mesh.shape))[0],
-            expert_axis="expert",
+            seq_axes=logical_to_spec(("batch", "seq"), rules, dict(mesh.shape))[1],
+            expert_axis=logical_to_spec(("expert",), rules, dict(mesh.shape))[0] or "expert",
             tensor_axis="tensor",
             platform=kernels.platform,
             weight_specs={
                 name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in EXPERT_WEIGHT_AXES.items()
             },
         )
-    return Layout(mesh, rules, plan, kernels.platform, kernels.grouped_matmul, kernels.attention)
+    return Layout(mesh, rules, plan, kernels.platform, kernels.grouped_matmul, attention)

@@ -30,6 +30,7 @@ from maxmoe.model.transformer import (
     COMPUTE_DTYPES,
     abstract_variables,
     build_model,
+    in_layout_order,
     init_variables,
     shift_left,
     uses_float32,
@@ -72,6 +73,9 @@ def make_output_loss(config: Config, layout: Any = None) -> Callable:
         mask_SBT = jnp.stack(
             [jnp.broadcast_to((jnp.arange(t) < t - k).astype(jnp.float32), targets.shape) for k in range(len(mtp) + 1)]
         )
+        # Made in natural order; the model's outputs are in the layout's (context parallelism: zigzag).
+        targets_SBT = jnp.stack([in_layout_order(layout, x) for x in targets_SBT])
+        mask_SBT = jnp.stack([in_layout_order(layout, x) for x in mask_SBT])
         if chunk > 0:  # main and mtp are hidden states: the head runs block by block, once for all of them
             losses = head_cross_entropies(
                 jnp.stack([main, *mtp]),
