@@ -41,8 +41,9 @@ def test_bubble_baseline_keeps_devices_and_micro_batch_rows():
 
 
 def test_parse_mesh():
-    assert sweep.parse_mesh("data=2,expert=4") == {"pipeline": 1, "data": 2, "expert": 4, "tensor": 1}
+    assert sweep.parse_mesh("data=2,expert=4") == {"pipeline": 1, "data": 2, "context": 1, "expert": 4, "tensor": 1}
     assert sweep.parse_mesh("pipeline=2,expert=4")["pipeline"] == 2
+    assert sweep.parse_mesh("data=2,context=2,expert=2")["context"] == 2
     assert sweep.mesh_name(sweep.parse_mesh("data=2,expert=4")) == "data=2,expert=4,tensor=1"
     for bad in ("data=2,stages=4", "data=x", "data=0", "expert"):
         with pytest.raises(sweep.UserError):
