@@ -69,6 +69,7 @@ def test_logits_on_a_length_the_kernel_cannot_take_fall_back_to_xla_and_say_so(k
     with pytest.warns(UserWarning, match="divisible by 16; got 8"):
         short = run(variables, tokens[:, :8])
     assert kernel_calls == []
+    # float32 default: the same xla core on 8 positions, compiled in another program
     np.testing.assert_allclose(short, oracle[:, :8], rtol=1e-5, atol=1e-5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a length the kernel takes: no fallback, no warning
@@ -116,6 +117,7 @@ def test_an_unpadded_buffer_builds_one_forward_kernel_per_gemm():
         lambda x, w: loss(lambda x, w: grouped_matmul(x, w, sizes, backend="dense_loop"), x, w), argnums=(0, 1)
     )(x, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(oracle)):
+        # float32 default: the kernel contract's reference sums per group, the dense loop per expert
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
