@@ -147,6 +147,26 @@ def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_exits(tmp_p
     assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
 
 
+def test_a_second_ctrl_c_that_comes_once_the_first_is_acknowledged_is_the_second(monkeypatch):
+    """The first handler's line goes out (os.write lets other threads run) before it returns; a
+    SIGINT then runs its handler nested inside the first one's and must count as the second."""
+    from maxmoe.training import preemption
+
+    stop = preemption.StopSignal()  # a notebook's: the second Ctrl-C raises KeyboardInterrupt
+    said, nested = [], []
+
+    def say(text):
+        said.append(text)
+        if len(said) == 1:  # the acknowledgement is out: the second Ctrl-C lands here
+            with pytest.raises(KeyboardInterrupt):
+                stop._handle(signal.SIGINT, None)
+            nested.append(True)
+
+    monkeypatch.setattr(preemption, "_say", say)
+    stop._handle(signal.SIGINT, None)
+    assert nested and len(said) == 1 and stop.requested == "SIGINT"
+
+
 # --------------------------------------------------------------------------- optimizer settings (item 2)
 
 

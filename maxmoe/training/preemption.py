@@ -109,14 +109,16 @@ class StopSignal:
 
     def _handle(self, signum, frame):  # noqa: ARG002 - signal API
         name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self._seen:
+        # Noted before anything is said: a signal that comes once the line is out (Python may run
+        # its handler nested inside this one) must find this one already counted.
+        first, self._seen = not self._seen, True
+        if signum == signal.SIGINT and not first:
             if self.exit_on_second_interrupt:
                 _say("maxmoe: SIGINT again: exiting now, without saving")
                 os._exit(130)
             raise KeyboardInterrupt
-        if not self._seen:
+        if first:
             _say(f"maxmoe: {name}: stopping; the step in progress is finished and saved first (Ctrl-C again: exit now)")
-        self._seen = True
         if self.synced:  # JAX's notifier owns SIGTERM: hand the interrupt to it
             os.kill(os.getpid(), signal.SIGTERM)
         else:
