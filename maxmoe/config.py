@@ -60,6 +60,22 @@ class ConfigError(UserError):
     """A bad configuration key or value."""
 
 
+def read_named_file(path: str | Path, what: str, *, missing: str = "", error: type[UserError] = UserError) -> bytes:
+    """The bytes of a file the user named, else one `error` line saying why not: a folder, not a
+    regular file (a device, a FIFO), missing (`missing` says what that suggests), unreadable."""
+    p = Path(path)
+    if p.is_dir():
+        raise error(f"{what} {path} is a folder; name a file")
+    if p.exists() and not p.is_file():
+        raise error(f"{what} {path} is not a regular file")
+    if not p.is_file():
+        raise error(f"{what} {path} not found{missing}")
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        raise error(f"{what} {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+
+
 def _field(default, *, choices=None, ge=None, gt=None, auto=False, doc=""):
     """A config field with its allowed values and one line of doc; mutable defaults are copied per instance.
 
@@ -527,17 +543,9 @@ def load_config(
     raw: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
     files = _config_paths(files)
     for path in files:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"config file {path} is a folder; name a YAML file")
-        if p.exists() and not p.is_file():
-            raise ConfigError(f"config file {path} is not a regular file")
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        text = read_named_file(path, "config file", error=ConfigError)
         try:
-            doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except OSError as e:
-            raise ConfigError(f"config file {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+            doc = yaml.safe_load(text.decode("utf-8")) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:

@@ -27,7 +27,7 @@ import numpy as np
 import yaml
 
 from maxmoe.cli import _Parser, check_output_file, main_guard
-from maxmoe.config import ConfigError, UserError, build_model_config
+from maxmoe.config import ConfigError, UserError, build_model_config, read_named_file
 from maxmoe.flops import count_params
 from maxmoe.training.progress import format_duration
 
@@ -39,14 +39,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not Path(run_dir).is_dir():
         raise UserError(f"{run_dir}: no such run folder")
-    if path.exists() and not path.is_file():
-        raise UserError(f"{path} is not a file")
-    if not path.is_file():
-        raise UserError(f"{path} not found: not a training run folder, or no step was logged yet")
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")  # a damaged line is skipped, not fatal
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror or e})") from None
+    missing = ": not a training run folder, or no step was logged yet"
+    # A damaged line is skipped, not fatal.
+    text = read_named_file(path, "metrics", missing=missing).decode("utf-8", errors="replace")
     records = []
     for line in text.splitlines():
         try:

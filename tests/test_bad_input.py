@@ -409,7 +409,7 @@ def test_info_platform_and_report_inputs(tmp_path, capsys):
     one_line(capsys, report_main([str(run)]), "holds no metrics records")
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").mkdir()
-    one_line(capsys, report_main([str(run)]), "metrics.jsonl", "not a file")
+    one_line(capsys, report_main([str(run)]), "metrics.jsonl", "is a folder")
 
 
 @pytest.mark.parametrize(

@@ -218,14 +218,14 @@ def test_unreadable_and_non_utf8_config_files(tmp_path, monkeypatch):
     locked = tmp_path / "locked.yaml"
     locked.write_text("train:\n  lr: 0.1\n")
     if os.geteuid() == 0:  # root reads any file whatever its mode: make the read fail as it would
-        real = Path.read_text
+        real = Path.read_bytes
 
         def refuse(path, *args, **kwargs):
             if path == locked:
                 raise PermissionError(13, "Permission denied", str(path))
             return real(path, *args, **kwargs)
 
-        monkeypatch.setattr(Path, "read_text", refuse)
+        monkeypatch.setattr(Path, "read_bytes", refuse)
     else:
         locked.chmod(0)
     assert error_of([locked]) == f"config file {locked}: cannot read it (Permission denied)"
