@@ -85,6 +85,19 @@ CONFIG_CASES = {
     "2**40 sequences per step (hung building the batch)": (["train.batch_size=1099511627776"], "tokens per step"),
     "extra flag without dashes": (["xla.extra_flags=[xla_foo=1]"], "is not an XLA flag"),
     "list where a number goes": (["train.steps=[1]"], "expected an integer"),
+    # What context parallelism does not run.
+    "context not dividing the sequence's zigzag chunks": (["mesh.context=3"], "not divisible by 2 x mesh.context"),
+    "context with pipeline stages": (
+        ["mesh.context=2", "mesh.pipeline=2", "train.grad_accum=2"],
+        "pipeline stages do not run",
+    ),
+    "context with the xla attention core": (["mesh.context=2", "model.attention=xla"], "latent attention core"),
+    "sequence sharded over data too": (
+        ["mesh.context=2", "mesh.rules.seq=[data]"],
+        "the sequence is sharded over context alone",
+    ),
+    "vocab over context": (["mesh.context=2", "mesh.rules.vocab=[context]"], "only seq and expert may use the context"),
+    "experts not dividing context x expert": (["mesh.context=16"], "num_experts=8 is not divisible by mesh.context"),
 }
 
 
