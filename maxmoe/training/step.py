@@ -282,19 +282,19 @@ def apply_gradients(
 
     def update(params, opt_state, router):
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        # Applied beside the update's own arithmetic (XLA fuses the two; applied in the branch
+        # below, the sum rounded differently in the last bit); one parameter-sized buffer either way.
+        new_params = optax.apply_updates(params, updates)
         new_router = update_router_bias(router, aux["moe_stats"], config.moe.bias_update_rate)
-
-        def apply(params, new_opt_state, new_router, opt_state, router):  # noqa: ARG001 - cond's operands
-            return optax.apply_updates(params, updates), new_opt_state, new_router, jnp.array(True)
-
-        def keep(params, new_opt_state, new_router, opt_state, router):  # noqa: ARG001 - cond's operands
-            return params, opt_state, router, jnp.array(False)
-
         # Finite loss and gradients can still give non-finite updates (e.g. a moment decay of 1):
         # such a step is bad too, and the parameters stay as they were. Entries that were not
         # finite already (e.g. loaded so) do not count: they would make every later step bad.
         fresh = jax.tree.map(lambda u, p: jnp.isfinite(u) | ~jnp.isfinite(p), updates, params)
-        return jax.lax.cond(all_true(fresh), apply, keep, params, new_opt_state, new_router, opt_state, router)
+        return jax.lax.cond(
+            all_true(fresh),
+            lambda: (new_params, new_opt_state, new_router, jnp.array(True)),
+            lambda: (params, opt_state, router, jnp.array(False)),
+        )
 
     # A skipped step leaves parameters, moments and router biases as they were. As a cond (not a
     # select of new and old) the update can write the donated buffers in place: selecting kept
