@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,7 @@ def run_suite(tmp_path, *args, timeout):
     )
 
 
+@pytest.mark.slow
 def test_gpu_suite_cpu_smoke(tmp_path):
     proc = run_suite(tmp_path, "--cpu-smoke", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

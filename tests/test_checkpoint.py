@@ -209,6 +209,7 @@ def straight(tmp_path_factory, env):
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_matches_the_straight_run(straight, env, tmp_path):
     # Same train.steps (the LR schedule depends on it): the straight run stopped after its step 4 save.
     run_dir = copy_run(straight, tmp_path / "run", keep_steps=[4])
@@ -222,6 +223,7 @@ def test_resume_in_a_new_process_matches_the_straight_run(straight, env, tmp_pat
     assert saved["train"]["steps"] == STEPS and saved["run"]["dir"] == str(run_dir)
 
 
+@pytest.mark.slow
 def test_sigkill_during_an_async_save_resumes_from_the_last_complete_step(straight, env, tmp_path):
     run_dir = tmp_path / "run"
     job = start(env, run_dir, "checkpoint.every=1")
@@ -250,6 +252,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_last_complete_step(straig
     assert data_position(run_dir, STEPS) == {"split": "train", "step": STEPS}
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_the_run_resumes_on_another_mesh(straight, env, tmp_path):
     # Resume the straight run's step 4 (on data=8, like it) and stop it with SIGTERM mid-run.
     run_dir = copy_run(straight, tmp_path / "run", keep_steps=[4])
@@ -294,6 +297,7 @@ def _token_only_in(batches, first, elsewhere):
     return candidates[0]
 
 
+@pytest.mark.slow
 def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, tmp_path):
     # Poison the embedding row of a token that only step 5's batch uses: step 5's loss and
     # gradient are NaN; steps 6-8 and the final evaluation (one batch) never read that row.
@@ -339,6 +343,7 @@ def test_a_nan_gradient_skips_that_update_and_training_continues(straight, env, 
     assert np.isfinite(untouched).all()
 
 
+@pytest.mark.slow
 def test_consecutive_bad_steps_stop_the_run_with_one_line_and_a_checkpoint(straight, env, tmp_path):
     # checkpoint.init_from parameters that are all NaN in the embedding: every step is bad.
     config = tiny_config(tmp_path / "run")

@@ -116,6 +116,7 @@ def _assert_parity(run, reference):
         assert np.abs(got - want).max() <= bound, (jax.tree_util.keystr(path), np.abs(got - want).max(), bound)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh", [("mesh.context=2",), ("mesh.context=4",), ("mesh.context=2", "mesh.expert=2", "mesh.tensor=2")]
 )
@@ -123,6 +124,7 @@ def test_context_matches_one_device(reference, mesh):
     _assert_parity(_train(*mesh), reference)
 
 
+@pytest.mark.slow
 def test_context_with_data_and_experts_matches_one_device(reference, folded):
     _assert_parity(folded, reference)
 
@@ -148,12 +150,14 @@ def _worst_gradient_error(run, reference):
     )
 
 
+@pytest.mark.slow
 def test_contiguous_split_with_zigzag_gather_fails_parity(reference, monkeypatch):
     """Tokens in plain contiguous shards while the gather restores the zigzag order: caught."""
     monkeypatch.setattr(context, "zigzag_order", lambda t, c: np.arange(t))
     assert _worst_gradient_error(_first_grads("mesh.context=2"), reference) > 1e-3
 
 
+@pytest.mark.slow
 def test_local_rope_positions_fail_parity(reference, monkeypatch):
     """RoPE at each shard's local positions (0..T/C-1) instead of the natural ones: caught."""
 

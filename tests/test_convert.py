@@ -380,6 +380,7 @@ def _max_rss_bytes(*args) -> tuple[int, subprocess.CompletedProcess]:
     return int(result.stdout.strip().splitlines()[-1]), result
 
 
+@pytest.mark.slow
 def test_to_hf_streams_without_holding_the_model(imported, tmp_path):
     # ~400 MB of float32 parameters, nearly all in 2 x 64 experts of 512 x 512 x 3.
     m = ModelConfig(hidden_size=512, moe_mlp_dim=512, num_experts=64, num_layers=3, first_k_dense=1, mtp_num_layers=0)

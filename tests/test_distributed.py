@@ -243,6 +243,7 @@ print("RESULT", jax.process_index(), jax.process_count(), float(total.addressabl
 """
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_really_initialise_and_reduce(free_port):
     """The explicit path end to end: two processes, gloo collectives, a cross-process sum."""
     port = free_port
@@ -299,6 +300,7 @@ def _train_process(port: int, index: int, run_dir: Path, env: dict) -> subproces
     )
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_step_and_saves_it(tmp_path, free_port):
     """Preemption notice on one host only: JAX's sync point makes every process stop at one step."""
     port = free_port

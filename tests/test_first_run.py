@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from conftest import job_env
 
 from maxmoe import data
@@ -42,6 +43,7 @@ def train_without_grain(*overrides):
     )
 
 
+@pytest.mark.slow
 def test_synthetic_run_needs_no_grain_and_says_when_it_compiles_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
     args = ["data.source=synthetic", "train.steps=2", f"run.dir={run_dir}", "run.progress=plain"]
@@ -101,6 +103,7 @@ def test_balance_metrics_per_layer_match_a_loop():
     assert float(got["moe_imbalance"]) == max(got["moe_layer_imbalance"])
 
 
+@pytest.mark.slow
 def test_tiny_run_keeps_every_moe_layer_in_use():
     """The first 60 steps of the default tiny run: by steps 41-60 no layer sends its tokens to one expert.
 

@@ -141,6 +141,7 @@ def kernel_layout(layout):
     )
 
 
+@pytest.mark.slow
 def test_blockwise_kernels_on_shards_give_xlas_loss_and_gradients(fp8_kernel_contracts):
     """On data x expert x tensor, the dense projections (column- and row-parallel over tensor,
     FSDP weights gathered) and the shared and routed experts where the kernels go give XLA's
@@ -174,6 +175,7 @@ def test_blockwise_kernels_on_shards_give_xlas_loss_and_gradients(fp8_kernel_con
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * scale, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_fsdp_weights_gather_fp8_blocks_and_give_the_bf16_gathers_values(fp8_kernel_contracts, monkeypatch):
     """mesh.fsdp with embed's 256 in two shards of 128 over data: the weights that shard embed
     (MLA's latent down-projections and output projection, the shared expert's) quantise their

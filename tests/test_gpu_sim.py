@@ -232,6 +232,7 @@ def variant_params():
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.smoke
 @pytest.mark.parametrize(("kind", "variant"), variant_params())
 def test_suite_programs_lower_for_cuda_with_the_kernels_auto_picks(kind, variant):

@@ -405,6 +405,7 @@ def tiny_losses(*overrides, steps=3):
     return layout, losses
 
 
+@pytest.mark.slow
 def test_three_steps_with_auto_equal_the_oracles(monkeypatch):
     monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
     # Attention in 4 blocks of 4 positions, the loss in 4 blocks of 65 vocabulary columns.

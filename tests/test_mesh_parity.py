@@ -62,6 +62,7 @@ def reference():
     return losses_on((1, 1, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True])
 @pytest.mark.parametrize("shape", [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2)])
 def test_losses_match_single_device(reference, shape, fsdp):

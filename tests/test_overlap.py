@@ -20,6 +20,8 @@ from maxmoe.config import DISPATCH_STRATEGIES, REMAT_CHOICES, load_config
 from maxmoe.model.transformer import build_model, init_variables
 from maxmoe.parallel.layout import build_layout
 
+pytestmark = pytest.mark.slow  # one compiled fixture per dispatch strategy
+
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
 COMMON = [

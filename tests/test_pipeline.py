@@ -110,6 +110,7 @@ def runs(tmp_path_factory):
     return {"one": one, "pipeline": Run(PIPELINE, tmp_path_factory.mktemp("pipeline"), start=one.start)}
 
 
+@pytest.mark.slow
 def test_init_lays_out_the_stack(runs):
     """The pipeline's init program builds the stage layout of the model's init (shapes and shardings;
     its values are the model's init re-laid, the re-layout is checked by the checkpoint test)."""
@@ -122,6 +123,7 @@ def test_init_lays_out_the_stack(runs):
     assert want.params["moe_layers"]["moe"]["w_gate"].shape[:3] == (2, 2, 2)  # [V, P, S, ...]
 
 
+@pytest.mark.slow
 def test_outer_weights_and_moments_are_split_over_the_stages(runs):
     """Every stage computes with the parameters outside the layer stack (embedding, dense layer,
     head, MTP), but their float32 master weights and Adam moments are not kept whole on each:
@@ -154,10 +156,12 @@ def assert_metrics_match(got, want, first_step=1):
             np.testing.assert_allclose(g[key], w[key], rtol=rtol, atol=1e-6, err_msg=f"step {step} {key}")
 
 
+@pytest.mark.slow
 def test_losses_match_one_device(runs):
     assert_metrics_match(runs["pipeline"].metrics, runs["one"].metrics)
 
 
+@pytest.mark.slow
 def test_padding_slots_stay_zero(runs):
     run = runs["pipeline"]
     pad = ~stage_state.slot_layout(run.config).mask()
@@ -173,6 +177,7 @@ def test_padding_slots_stay_zero(runs):
         assert not np.any(np.asarray(leaf)[pad]), "a padding slot moved"
 
 
+@pytest.mark.slow
 def test_checkpoint_pipeline_to_one_device_and_back(runs):
     one, pipe = runs["one"], runs["pipeline"]
     # The pipeline's checkpoint (model order) on one device: exactly what was saved; step 3

@@ -4,6 +4,7 @@ own so the suite's workers can run it beside that one)."""
 
 import jax
 import numpy as np
+import pytest
 from test_pipeline import batches, config_of
 
 from maxmoe.parallel.layout import build_layout
@@ -11,6 +12,7 @@ from maxmoe.training import stage_state
 from maxmoe.training.programs import build_programs
 
 
+@pytest.mark.slow
 def test_bfloat16_steps_match_one_device():
     """bf16 compute: the outer weights reach the stages as a bf16 copy gathered over `pipeline`
     (their master weights ZeRO-1 over the stages), the stack's as the model casts them. The

@@ -105,6 +105,7 @@ def train_argv(run_dir: Path, **overrides) -> list[str]:
 # --------------------------------------------------------------------------- signals
 
 
+@pytest.mark.slow
 def test_sigterm_during_the_last_save_waits_for_it_and_exits_0(tmp_path):
     """Item 1: the handlers stay in place while close() waits for the final asynchronous save."""
     run_dir = tmp_path / "run"
@@ -120,6 +121,7 @@ def test_sigterm_during_the_last_save_waits_for_it_and_exits_0(tmp_path):
     assert steps == [1, 2, 2]  # two step lines and the final evaluation
 
 
+@pytest.mark.slow
 def test_sigterm_during_set_up_stops_before_a_step_with_status_0(tmp_path):
     run_dir = tmp_path / "run"
     job = Held(tmp_path, "trainer-init", train_argv(run_dir))
@@ -133,6 +135,7 @@ def test_sigterm_during_set_up_stops_before_a_step_with_status_0(tmp_path):
     assert "compiling the train step" not in out
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_exits(tmp_path):
     """Issue 33 item 4: the compile holds; the first Ctrl-C is answered while it does, the second exits."""
     run_dir = tmp_path / "run"

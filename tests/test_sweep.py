@@ -130,6 +130,7 @@ def dry_runs_by_policy():
     return out
 
 
+@pytest.mark.slow
 def test_dry_run_splits_collectives_by_pass_and_shows_recomputed_all_to_alls(dry_runs_by_policy):
     full, save_comm = dry_runs_by_policy["full"], dry_runs_by_policy["save_comm"]
     for r in (full, save_comm):
@@ -143,6 +144,7 @@ def test_dry_run_splits_collectives_by_pass_and_shows_recomputed_all_to_alls(dry
     assert save_comm["memory"]["temp"] > full["memory"]["temp"]
 
 
+@pytest.mark.slow
 def test_dry_run_all_to_all_bytes_follow_the_expert_axis(tmp_path):
     out = tmp_path / "sweep.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

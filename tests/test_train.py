@@ -64,6 +64,7 @@ def repeat_steps(config, optimizer, state, metric, steps=30):
     return state, values
 
 
+@pytest.mark.slow
 @pytest.mark.smoke
 def test_loss_falls_on_a_repeated_batch():
     config = load_config([TINY], SMALL + ["train.steps=40"])
@@ -75,6 +76,7 @@ def test_loss_falls_on_a_repeated_batch():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_router_bias_moves_toward_balance():
     config = load_config([TINY], SMALL + ["train.lr=1e-9", "moe.bias_update_rate=0.01", "moe.seq_aux_alpha=0"])
     optimizer = make_optimizer(config.train)
@@ -116,6 +118,7 @@ def test_learning_rate_schedules():
             assert float(lr(99)) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_matches_one_batch():
     overrides = ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8", "train.seq_len=16"]
     one = load_config([TINY], overrides)

@@ -126,6 +126,7 @@ def interrupted_on_eight(tmp_path_factory):
     return seen
 
 
+@pytest.mark.slow
 def test_sigint_in_a_run_saves_that_step_and_gives_the_handlers_back(interrupted_on_eight):
     seen = interrupted_on_eight
     assert seen["mesh"] == {"data": 2, "expert": 4, "tensor": 1}

@@ -84,6 +84,7 @@ def two_tier():
     return run(config_for(*DOMAINS, "mesh.across_domains=zero1"), jax.devices())
 
 
+@pytest.mark.slow
 def test_the_mesh_splits_data_into_replicas_across_domains(two_tier):
     layout = two_tier["layout"]
     assert dict(layout.mesh.shape) == {"replica": 2, "data": 2, "expert": 2, "tensor": 1}
@@ -92,11 +93,13 @@ def test_the_mesh_splits_data_into_replicas_across_domains(two_tier):
     assert (grid == grid[:, :1]).all() and grid[0, 0] != grid[1, 0]  # one replica per domain
 
 
+@pytest.mark.slow
 def test_losses_and_eval_match_one_device(one_device, two_tier):
     np.testing.assert_allclose(two_tier["losses"], one_device["losses"], rtol=1e-5)
     np.testing.assert_allclose(two_tier["eval"], one_device["eval"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradients_match_one_device(one_device, two_tier):
     reference = one_device["grads"]
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(reference))
@@ -107,6 +110,7 @@ def test_gradients_match_one_device(one_device, two_tier):
     )
 
 
+@pytest.mark.slow
 def test_state_is_sharded_over_every_device(two_tier):
     programs = two_tier["programs"]
     for sharding in jax.tree.leaves(programs.state_shardings.params):
@@ -117,6 +121,7 @@ def test_state_is_sharded_over_every_device(two_tier):
     assert programs.batch_sharding.spec[0] == ("replica", "data", "expert")
 
 
+@pytest.mark.slow
 def test_cross_domain_collectives_run_once_per_step(two_tier):
     mesh = two_tier["layout"].mesh
     rows = collective_ops(two_tier["compiled"].as_text(), device_domains(list(mesh.devices.flat), 4))
@@ -128,6 +133,7 @@ def test_cross_domain_collectives_run_once_per_step(two_tier):
     assert max(r["runs"] for r in rows if not r["cross_domain"]) >= ACCUM
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_fsdp_and_zero1(one_device, two_tier, tmp_path):
     fsdp_config = config_for(*DOMAINS, "mesh.across_domains=fsdp")
     fsdp = build_programs(fsdp_config, build_layout(fsdp_config))
