@@ -300,9 +300,15 @@ class DataConfig:
     @property
     def kind(self) -> str:
         """The source in effect: data.source, with auto resolved (shards when a path or mixture is given)."""
-        if self.source != "auto":
-            return self.source
-        return "shards" if self.path or self.mixture else "stdlib"
+        return source_in_effect(self.source, self.path, self.mixture)
+
+
+def source_in_effect(source: str, path: Any, mixture: Any) -> str:
+    """data.source with `auto` resolved: shards when a path or mixture is given, else stdlib (also
+    for a stored config's values, which resume compares as the data they read)."""
+    if source != "auto":
+        return source
+    return "shards" if path or mixture else "stdlib"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from maxmoe.config import Config, UserError
+from maxmoe.config import Config, UserError, source_in_effect
 
 # Keys a resumed run may change freely: cadence, output, implementation choices that compute the
 # same numbers, the mesh (arrays are restored onto any mesh). Every other key of these sections
@@ -60,13 +60,13 @@ def resume_changes(saved: Any, config: Config) -> list[str]:
 
 def _as_computed(sections: dict) -> dict:
     """Config sections with the values that name one computation in two ways made one: data.source
-    with `auto` resolved as DataConfig.kind does (stored `stdlib` and `auto` with no path read the
+    with `auto` resolved (config.source_in_effect) (stored `stdlib` and `auto` with no path read the
     same data), moe.dispatch as dropless or capacity (ragged_a2a, allgather and auto route every
     token copy to its experts and give the same numbers; capacity drops copies)."""
     out = {name: dict(values) for name, values in sections.items()}
     data, moe = out.get("data"), out.get("moe")
-    if data is not None and data.get("source") == "auto":
-        data["source"] = "shards" if data.get("path") or data.get("mixture") else "stdlib"
+    if data is not None and "source" in data:
+        data["source"] = source_in_effect(data["source"], data.get("path"), data.get("mixture"))
     if moe is not None and "dispatch" in moe:
         moe["dispatch"] = "capacity" if moe["dispatch"] == "capacity" else "dropless"
     return out
