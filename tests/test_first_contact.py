@@ -108,7 +108,8 @@ def test_tokenising_shows_progress(tmp_path, capsys, monkeypatch):
     token_folder_for(str(tmp_path / "*.jsonl"), cache_dir=str(tmp_path / "cache"))
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("maxmoe:   ")]
     assert [line.split(" (")[0] for line in progress] == [
-        f"maxmoe:   {10 * n:,} tokens, {n} documents, file {1 + (n - 1) // 2} of 2" for n in range(1, 5)
+        f"maxmoe:   {10 * n:,} tokens, {n} {'document' if n == 1 else 'documents'}, file {1 + (n - 1) // 2} of 2"
+        for n in range(1, 5)
     ]
 
 

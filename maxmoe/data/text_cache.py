@@ -136,7 +136,8 @@ def _with_progress(
             file = name if name in order else name.rsplit(":", 1)[0]  # records are named path:N
             done = order.get(file, 0)
             print(
-                f"maxmoe:   {tokens:,} tokens, {documents_seen:,} documents, file {done + 1} of {len(files)} "
+                f"maxmoe:   {tokens:,} tokens, {documents_seen:,} document{'s' if documents_seen != 1 else ''}, "
+                f"file {done + 1} of {len(files)} "
                 f"({now - start:.0f}s)",
                 file=out,
                 flush=True,
