@@ -9,20 +9,29 @@ to the next stage on a ring. The forward of micro-batch m, chunk v on stage p ru
 
 and its backward at
 
-    t_B(m, v, p) = P*V + (m // P) * P*V + (V-1-v) * P + (m % P) + (P-1-p).
+    t_B(m, v, p) = P*V + (m // P) * P*V + (V-1-v) * P + (m % P) + (P-1-p) + (R - 1).
 
 Every input was produced by its neighbour exactly one tick before (forward: stage p-1, or
-stage P-1 for the previous chunk; backward: stage p+1, or stage 0 of the next chunk; the
-last chunk's backward starts the tick after its forward, whose loss gives the cotangent),
-so one collective permute per direction per tick carries the activations and no receive
-buffers are needed. A stage does at most one forward and one backward per tick.
+stage P-1 for the previous chunk; backward: stage p+1, or stage 0 of the next chunk), so
+one collective permute per direction per tick carries the activations and no receive
+buffers are needed. A stage does at most one forward and one backward per tick. The last
+chunk's backward starts R ticks after its forward (the turnaround, 1 or 2): with R = 1 the
+tick after, on the cotangent of the loss computed with the forward; with R = 2 the model's
+output also goes on around the ring to stage 0, which computes a second loss from it (the
+pipeline's `tail`: MTP) in the next tick and returns that loss's cotangent on the backward
+ring. Both ring directions are free for it then: at that tick stage 0 runs the forward of a
+chunk 0 (whose input is the embedding's, not the ring's), and no backward of a chunk v > 0
+(its cotangent would reach stage P-1 in the same tick as the last chunk's backward).
 
-Three phases: warm-up ticks [0, P*V) forward only, steady ticks [P*V, T_F) one forward and
-one backward, cool-down ticks [T_F, T) backward only. A step costs T_F x (f + b) for a
-chunk's forward f and backward b, against M*V x (f + b) without stages; with M a multiple
-of P, T_F = M*V + P - 1, so
+Phases: warm-up ticks [0, P*V + R - 1) forward only, steady ticks one forward and one
+backward, cool-down ticks [T_F, T) backward only. A step costs T_F x (f + b) for a chunk's
+forward f and backward b, against M*V x (f + b) without stages; with M a multiple of P,
+T_F = M*V + P - 1, so
 
-    bubble = (P - 1) / (M*V + P - 1).
+    bubble = (P - 1) / (M*V + P - 1),
+
+whatever R: R = 2 turns one steady tick into a forward-only one before and a backward-only
+one after (T_F x (f + b) still).
 
 Between an item's forward and its backward a stage keeps the item's residuals in a ring of
 slots, allocated statically (a tick's backward frees its slot before the tick's forward
@@ -45,10 +54,11 @@ def forward_tick(m: int, v: int, p: int, stages: int, virtual: int) -> int:
     return (m // stages) * stages * virtual + v * stages + (m % stages) + p
 
 
-def backward_tick(m: int, v: int, p: int, stages: int, virtual: int) -> int:
-    """Tick of the backward of micro-batch m, chunk v, on stage p."""
+def backward_tick(m: int, v: int, p: int, stages: int, virtual: int, turnaround: int = 1) -> int:
+    """Tick of the backward of micro-batch m, chunk v, on stage p (turnaround: ticks from the
+    last chunk's forward to its backward)."""
     group = (m // stages) * stages * virtual
-    return stages * virtual + group + (virtual - 1 - v) * stages + (m % stages) + stages - 1 - p
+    return stages * virtual + group + (virtual - 1 - v) * stages + (m % stages) + stages - 1 - p + turnaround - 1
 
 
 def analytic_bubble(stages: int, virtual: int, micro: int) -> float:
@@ -76,6 +86,7 @@ class Schedule:
     ticks: int
     slots: int  # ring slots per stage, the scratch slot included
     columns: dict
+    turnaround: int = 1  # ticks from the last chunk's forward to its backward (2: a tail on stage 0)
 
     @property
     def bubble(self) -> float:
@@ -86,29 +97,43 @@ class Schedule:
         """int32 [ticks, P, 8]: the columns stacked (what the executor indexes per tick and stage)."""
         return np.stack([self.columns[name] for name in TABLE_COLUMNS], axis=-1).astype(np.int32)
 
+    def tail_table(self) -> np.ndarray:
+        """int32 [ticks, 2]: (micro-batch, valid) of the tail stage 0 runs at each tick: the
+        item whose last chunk's forward stage P-1 ran the tick before (turnaround 2 only)."""
+        out = np.zeros((self.ticks, 2), np.int32)
+        if self.turnaround == 2:
+            c, last = self.columns, self.stages - 1
+            ran = (c["f_valid"][:-1, last] == 1) & (c["f_chunk"][:-1, last] == self.virtual - 1)
+            out[1:, 0] = np.where(ran, c["f_micro"][:-1, last], 0)
+            out[1:, 1] = ran
+        return out
+
     def in_flight(self) -> int:
         """Most items a stage holds between their forward and backward (after a tick's backward frees one)."""
         live = np.cumsum(self.columns["f_valid"], axis=0) - np.cumsum(self.columns["b_valid"], axis=0)
         return int(live.max())
 
 
-def build_schedule(stages: int, virtual: int, micro: int) -> Schedule:
-    """The tables for P=stages, V=virtual, M=micro; checks every dependency and the slot reuse."""
+def build_schedule(stages: int, virtual: int, micro: int, turnaround: int = 1) -> Schedule:
+    """The tables for P=stages, V=virtual, M=micro and turnaround R (1, or 2 for a tail on
+    stage 0); checks every dependency and the slot reuse."""
     if stages < 1 or virtual < 1 or micro < 1:
         raise ValueError(f"stages, virtual and micro must be >= 1, got {stages}, {virtual}, {micro}")
-    P, V, M = stages, virtual, micro
+    if turnaround not in (1, 2) or (turnaround == 2 and stages < 2):
+        raise ValueError(f"turnaround must be 1, or 2 with 2 stages or more; got {turnaround} with {stages}")
+    P, V, M, R = stages, virtual, micro, turnaround
     forward_end = forward_tick(M - 1, V - 1, P - 1, P, V) + 1
-    ticks = backward_tick(M - 1, 0, 0, P, V) + 1
+    ticks = backward_tick(M - 1, 0, 0, P, V, R) + 1
     col = {name: np.zeros((ticks, P), np.int64) for name in TABLE_COLUMNS}
     for m in range(M):
         for v in range(V):
             for p in range(P):
-                tf, tb = forward_tick(m, v, p, P, V), backward_tick(m, v, p, P, V)
+                tf, tb = forward_tick(m, v, p, P, V), backward_tick(m, v, p, P, V, R)
                 if col["f_valid"][tf, p] or col["b_valid"][tb, p]:
                     raise AssertionError(f"two items on stage {p} at one tick")
                 col["f_micro"][tf, p], col["f_chunk"][tf, p], col["f_valid"][tf, p] = m, v, 1
                 col["b_micro"][tb, p], col["b_chunk"][tb, p], col["b_valid"][tb, p] = m, v, 1
-    _check_dependencies(P, V, M)
+    _check_dependencies(P, V, M, R)
     # Slots per stage from a free list; the backward of a tick frees before its forward takes.
     slot_of: dict[tuple[int, int, int], int] = {}
     peak = 0
@@ -134,24 +159,33 @@ def build_schedule(stages: int, virtual: int, micro: int) -> Schedule:
     # Idle forwards write (and idle backwards read) a scratch slot, so ring writes need no mask.
     col["f_slot"][col["f_valid"] == 0] = peak
     col["b_slot"][col["b_valid"] == 0] = peak
-    return Schedule(P, V, M, P * V, forward_end, ticks, peak + 1, col)
+    return Schedule(P, V, M, min(P * V + R - 1, forward_end), forward_end, ticks, peak + 1, col, R)
 
 
-def _check_dependencies(P: int, V: int, M: int) -> None:
-    """Every input arrives exactly one tick before it is used, from the neighbour on the ring."""
+def _check_dependencies(P: int, V: int, M: int, R: int) -> None:
+    """Every input arrives exactly one tick before it is used, from the neighbour on the ring;
+    with R = 2 the tail's tick (the one after the last chunk's forward) has both ring
+    directions on stage 0 free: no forward of a chunk v > 0 and no backward of one there."""
+    busy_wrap = set()
+    for m in range(M):
+        for v in range(1, V):
+            busy_wrap.add(forward_tick(m, v, 0, P, V))
+            busy_wrap.add(backward_tick(m, v, 0, P, V, R))
     for m in range(M):
         for v in range(V):
             for p in range(P):
-                tf, tb = forward_tick(m, v, p, P, V), backward_tick(m, v, p, P, V)
+                tf, tb = forward_tick(m, v, p, P, V), backward_tick(m, v, p, P, V, R)
+                if R == 2 and p == P - 1 and v == V - 1 and tf + 1 in busy_wrap:
+                    raise AssertionError(f"the tail of micro-batch {m} meets a wrap-around hop on stage 0")
                 if p > 0 or v > 0:
                     prev = forward_tick(m, v, p - 1, P, V) if p > 0 else forward_tick(m, v - 1, P - 1, P, V)
                     if prev != tf - 1:
                         raise AssertionError(f"forward hop of micro-batch {m}, chunk {v}, stage {p}")
                 if p < P - 1 or v < V - 1:
-                    nxt = backward_tick(m, v, p + 1, P, V) if p < P - 1 else backward_tick(m, v + 1, 0, P, V)
+                    nxt = backward_tick(m, v, p + 1, P, V, R) if p < P - 1 else backward_tick(m, v + 1, 0, P, V, R)
                     if nxt != tb - 1:
                         raise AssertionError(f"backward hop of micro-batch {m}, chunk {v}, stage {p}")
-                elif tb != tf + 1:
+                elif tb != tf + R:
                     raise AssertionError(f"loss turn-around of micro-batch {m}")
 
 
@@ -171,30 +205,34 @@ def describe(schedule: Schedule) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SlotLayout:
-    """Where each of `layers` stacked model layers sits among the V x P x S pipeline slots.
+    """Where the model's layers sit among the V x P x S pipeline slots.
 
-    The model (and every checkpoint) keeps a scanned stack as [L, ...] in model order. The
-    pipeline runs chunk c = v*P + p on stage p, holding slots c*S ... c*S + S-1 of a flat
-    slot order that is the model order with `pad_front` empty slots before layer 0 and the
-    rest after layer L-1:
+    `dense` leading dense layers and `layers` MoE layers, in model order, take the slots of a
+    flat order with `pad_front` empty slots before the first and the rest after the last:
 
-        slot(l) = pad_front + l,   S = ceil((L + pad_front) / (V*P)),
+        slot(dense layer j) = pad_front + j,   slot(MoE layer l) = pad_front + dense + l,
+        S = ceil((dense + layers + pad_front) / (V*P)),
 
-    so [L, ...] -> pad -> reshape [V, P, S, ...] is the whole re-layout (v outermost), and
-    the way back is reshape [V*P*S, ...] -> slice. Front padding lands on stage 0's first
-    chunk (which also runs the embedding and dense layers), back padding on the last chunk
-    of stage P-1 (which also runs the head, the loss and MTP): skipped slots there balance
-    those costs. Empty slots are exact no-ops with zero parameters and zero gradients.
+    and the pipeline runs chunk c = v*P + p on stage p, holding slots c*S ... c*S + S-1 (v
+    outermost). The model (and every checkpoint) keeps the scanned MoE stack as [L, ...] in
+    model order: [L, ...] -> pad -> reshape [V, P, S, ...] is its whole re-layout and the way
+    back reshape [V*P*S, ...] -> slice; a slot holding a dense layer or nothing holds zeros
+    there. The dense layers' own parameters stay outside the stack (a dense SwiGLU instead
+    of experts), and a stage running one reads them (maxmoe.model.stages). Front padding lands
+    on stage 0's first chunk (which also runs the embedding and the pipeline's tail, MTP),
+    back padding on the last chunk of stage P-1 (which also runs the head and the loss):
+    skipped slots there balance those costs. Empty slots are exact no-ops.
     """
 
     layers: int
     stages: int
     virtual: int
     pad_front: int = 0
+    dense: int = 0
 
     @property
     def per_chunk(self) -> int:
-        return math.ceil((self.layers + self.pad_front) / (self.stages * self.virtual))
+        return math.ceil((self.dense + self.layers + self.pad_front) / (self.stages * self.virtual))
 
     @property
     def slots(self) -> int:
@@ -202,27 +240,35 @@ class SlotLayout:
 
     @property
     def pad_back(self) -> int:
-        return self.slots - self.layers - self.pad_front
+        return self.slots - self.dense - self.layers - self.pad_front
 
     def mask(self) -> np.ndarray:
-        """bool [V, P, S]: True where a model layer sits."""
+        """bool [V, P, S]: True where a MoE layer sits."""
         return self.layer_at() >= 0
 
-    def layer_at(self) -> np.ndarray:
-        """int [V, P, S]: the model layer in each slot, -1 for padding."""
+    def _at(self, start: int, count: int) -> np.ndarray:
         flat = np.full(self.slots, -1)
-        flat[self.pad_front : self.pad_front + self.layers] = np.arange(self.layers)
+        flat[start : start + count] = np.arange(count)
         return flat.reshape(self.virtual, self.stages, self.per_chunk)
 
+    def layer_at(self) -> np.ndarray:
+        """int [V, P, S]: the MoE layer in each slot, -1 elsewhere."""
+        return self._at(self.pad_front + self.dense, self.layers)
+
+    def dense_at(self) -> np.ndarray:
+        """int [V, P, S]: the dense layer in each slot, -1 elsewhere."""
+        return self._at(self.pad_front, self.dense)
+
     def to_stages(self, a_L):
-        """One [L, ...] array (model order) -> [V, P, S, ...]; padding slots are zeros."""
-        widths = [(self.pad_front, self.pad_back)] + [(0, 0)] * (a_L.ndim - 1)
+        """One [L, ...] array of the MoE stack (model order) -> [V, P, S, ...]; other slots zeros."""
+        widths = [(self.pad_front + self.dense, self.pad_back)] + [(0, 0)] * (a_L.ndim - 1)
         return jnp.pad(a_L, widths).reshape(self.virtual, self.stages, self.per_chunk, *a_L.shape[1:])
 
     def to_model(self, a_VPS):
-        """One [V, P, S, ...] array -> [L, ...] in model order (padding dropped)."""
+        """One [V, P, S, ...] array -> the MoE stack's [L, ...] in model order (other slots dropped)."""
         flat = a_VPS.reshape(self.slots, *a_VPS.shape[3:])
-        return flat[self.pad_front : self.pad_front + self.layers]
+        start = self.pad_front + self.dense
+        return flat[start : start + self.layers]
 
     def stage_shape(self, shape_L: tuple[int, ...]) -> tuple[int, ...]:
         """[L, ...] -> [V, P, S, ...]."""
