@@ -210,7 +210,9 @@ class MeshConfig:
         1, gt=0, doc="pipeline: model chunks per stage (interleaved schedule); ignored without stages"
     )
     pipeline_pad_front: int = _field(
-        0, ge=0, doc="pipeline: empty layer slots before the first MoE layer (balances the embedding's stage)"
+        0,
+        ge=0,
+        doc="pipeline: empty layer slots before the first layer (balances stage 0, which runs the embedding and MTP)",
     )
     data: int = _field(1, doc="data-parallel devices (may span domains); -1 fills the remaining devices")
     context: int = _field(

@@ -2,8 +2,9 @@
 
 The single-device run with the same micro-batches is the oracle. The layout is the
 issue's first acceptance layout, pipeline=2 x data=2 x expert=2 with the ragged
-all-to-all, interleaved (2 chunks per stage) and with one empty slot in front: 4 MoE
-layers in 8 slots, so padding must be an exact no-op. (pipeline=4 x expert=2 with the
+all-to-all, interleaved (2 chunks per stage) and with one empty slot in front: the dense
+layer and 4 MoE layers in 8 slots (the dense layer in stage 0's first chunk, after the empty
+slot), so padding must be an exact no-op; MTP runs as the pipeline's tail on stage 0. (pipeline=4 x expert=2 with the
 all-gather dispatch is the other acceptance layout; docs/SHARDING.md has its command.)
 Checkpoints are written in model order: the pipeline's step-2 checkpoint resumes on one
 device, the one device's on the pipeline, and each then takes step 3 as the other run did.
@@ -162,10 +163,31 @@ def test_losses_match_one_device(runs):
 
 
 @pytest.mark.slow
+def test_one_chunk_per_stage_with_the_dense_layer_in_a_slot_and_mtp_on_stage_0(runs):
+    """The H200 plan's kind of layout (configs/mesh_256_h200.yaml): one chunk per stage, every
+    layer in a slot, MTP on stage 0 as the pipeline's tail -- here [- D0 M0 | M1 M2 M3], stage 0
+    with the embedding, the dense layer, a MoE layer and MTP, stage 1 with three MoE layers and
+    the head -- steps like one device from the same parameters and batches."""
+    layout = ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2", "mesh.pipeline_pad_front=1", "moe.dispatch=ragged_a2a"]
+    config = config_of(layout)
+    slots = stage_state.slot_layout(config)
+    assert slots.dense_at()[0].tolist() == [[-1, 0, -1], [-1, -1, -1]]
+    assert slots.layer_at()[0].tolist() == [[-1, -1, 0], [1, 2, 3]]
+    programs = build_programs(config, build_layout(config, jax.devices()[:8]))
+    state = stage_state.to_stage_order(config, runs["one"].start, programs.abstract_state)
+    got = []
+    for batch in batches()[:2]:
+        state, metrics = programs.train_step(state, jax.device_put(batch, programs.batch_sharding))
+        got.append(jax.device_get(metrics))
+    assert_metrics_match(got, runs["one"].metrics[:2])
+
+
+@pytest.mark.slow
 def test_padding_slots_stay_zero(runs):
     run = runs["pipeline"]
     pad = ~stage_state.slot_layout(run.config).mask()
-    assert pad.sum() == 4  # 4 MoE layers in 2 stages x 2 chunks x 2 slots: 1 empty in front, 3 at the back
+    # 4 MoE layers in 2 stages x 2 chunks x 2 slots: 1 empty in front, the dense layer's, 2 at the back
+    assert pad.sum() == 4 and stage_state.slot_layout(run.config).dense_at()[0, 0].tolist() == [-1, 0]
     stacked = [
         leaf
         for path, leaf in jax.tree_util.tree_flatten_with_path(run.state)[0]

@@ -16,7 +16,7 @@ from maxmoe.training.programs import build_programs
 def test_bfloat16_steps_match_one_device():
     """bf16 compute: the outer weights reach the stages as a bf16 copy gathered over `pipeline`
     (their master weights ZeRO-1 over the stages), the stack's as the model casts them. The
-    pipeline (one MoE layer per stage, no padding: a layout test_pipeline.py does not take)
+    pipeline (one chunk per stage, [D0 M0 | M1 -]: a layout test_pipeline.py does not take)
     against one device's bf16 steps from the same parameters and batches.
 
     Both programs round the same values to bf16; what differs is the order of float32 sums

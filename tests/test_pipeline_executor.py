@@ -3,13 +3,17 @@
 The toy model has the pieces that make maxmoe's pipeline non-uniform: a `pre` (input
 projection), a stack of residual layers with an aux loss and per-layer statistics cut into
 chunks (padding slots included), and a `post` that re-reads a `pre` parameter (as MTP
-re-reads the embedding). The oracle is jax.value_and_grad of the same functions composed
-in model order, averaged over micro-batches.
+re-reads the embedding); then, as maxmoe runs the 671B model, leading layers of another kind
+whose weights are outer parameters taking slots of the stage plan (the dense layers), and a
+second loss on the last chunk's output run by stage 0 as the pipeline's tail (MTP). The
+oracle is jax.value_and_grad of the same functions composed in model order, averaged over
+micro-batches.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 from maxmoe.parallel.pipeline import PipelineFns, pipeline_forward, pipeline_value_and_grad
@@ -33,12 +37,14 @@ def make_stage(layer_fn):
     """A stage of scanned slots of layer_fn; masked-off (padding) slots pass h through, aux 0."""
 
     def stage(params, state, h):
+        chunk, _ = params  # (the chunk's parameters, the shared outer ones: none here)
+
         def slot(h, inputs):
             w, on = inputs
             y, aux = layer_fn(h, w)
             return jnp.where(on, y, h), jnp.where(on, aux, 0.0)
 
-        h, aux = jax.lax.scan(slot, h, (params["w"], state["mask"]))
+        h, aux = jax.lax.scan(slot, h, (chunk["w"], state["mask"]))
         return (h, aux.sum()), {"aux": aux}
 
     return stage
@@ -185,3 +191,83 @@ def test_bfloat16_residuals_pass_through_the_ring_exactly():
     (loss, grads, stats), (want_loss, want_grads, want_stats) = results["vjp"], results["recompute"]
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     jax.tree.map(assert_close, (grads, stats), (want_grads, want_stats))
+
+
+KD = 2  # leading layers of the other kind
+
+
+def dense_layer(h, w):
+    return h + 0.5 * jnp.tanh(h @ w)
+
+
+def mixed_stage(params, state, h):
+    """Slots of either kind: a stack layer where `mask`, else the shared layer `dense` (-1: empty)."""
+    chunk, shared = params
+
+    def slot(h, inputs):
+        w, on, j = inputs
+        y, aux = layer(h, w)
+        y_dense = dense_layer(h, shared["w_dense"][jnp.maximum(j, 0)])
+        return jnp.where(on, y, jnp.where(j >= 0, y_dense, h)), jnp.where(on, aux, 0.0)
+
+    h, aux = jax.lax.scan(slot, h, (chunk["w"], state["mask"], state["dense"]))
+    return (h, aux.sum()), {"aux": aux}
+
+
+def tail(outer, outer_state, h, inp):
+    """A second loss on the last output; it re-reads post's head as MTP does. post's stats structure."""
+    del outer_state
+    loss = jnp.mean((jnp.tanh(h @ outer["w_tail"]) + h @ outer["w_out"] - inp["y"]) ** 2)
+    return loss, {"loss": loss}
+
+
+MIXED = PipelineFns(pre, mixed_stage, post, aux_weight=AUX, shared=("w_dense",), tail=tail)
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_shared_layers_in_slots_and_a_tail_match_autodiff(virtual):
+    """2 dense + 5 stack layers on 2 stages, 1 empty slot in front; the tail on stage 0 (turnaround 2)."""
+    slots = SlotLayout(5, 2, virtual, 1, dense=KD)
+    stack, outer, inputs = problem(slots.layers, 4)
+    k = jax.random.split(jax.random.key(1), 2)
+    outer = {
+        **outer,
+        "w_dense": jax.random.normal(k[0], (KD, D, D)) / np.sqrt(D),
+        "w_tail": jax.random.normal(k[1], (D, C)),
+    }
+    state = {"mask": jnp.asarray(slots.mask()), "dense": jnp.asarray(slots.dense_at())}
+    schedule = build_schedule(2, virtual, 4, turnaround=2)
+    fn = pipeline_value_and_grad(MIXED, schedule, pipeline_mesh(2))
+    loss, (g_stage, g_outer_P), (stats, post_stats) = jax.jit(fn)(
+        {"w": slots.to_stages(stack)}, state, outer, {}, inputs
+    )
+
+    def model_loss(stack, outer):
+        def one(inp):
+            h = pre(outer, None, inp)
+            h, _ = jax.lax.scan(lambda h, w: (dense_layer(h, w), None), h, outer["w_dense"])
+            h, aux = jax.lax.scan(layer, h, stack)
+            return post(outer, None, h, inp)[0] + tail(outer, None, h, inp)[0] + AUX * aux.sum()
+
+        return jnp.mean(jax.vmap(one)(inputs))
+
+    want_loss, (want_stack, want_outer) = jax.value_and_grad(model_loss, argnums=(0, 1))(stack, outer)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert_close(slots.to_model(g_stage["w"]), want_stack)
+    jax.tree.map(assert_close, jax.tree.map(lambda g: g.sum(0), g_outer_P), want_outer)
+    # The dense layers' gradients come from the stages whose slots ran them, the tail's from stage 0.
+    dense_stage = np.asarray(g_outer_P["w_dense"])
+    on_stage = [set(slots.dense_at()[:, p].ravel()) - {-1} for p in range(2)]
+    for p in range(2):
+        for j in range(KD):
+            assert np.any(dense_stage[p, j]) == (j in on_stage[p]), (p, j, on_stage)
+    assert np.any(np.asarray(g_outer_P["w_tail"])[0]) and not np.any(np.asarray(g_outer_P["w_tail"])[1])
+    assert not np.any(np.asarray(g_stage["w"])[~slots.mask()]), "slots without a stack layer get zero gradient"
+    # post's and the tail's statistics summed over micro-batches.
+    h = jax.vmap(lambda inp: pre(outer, None, inp))(inputs)
+    for w in outer["w_dense"]:
+        h = dense_layer(h, w)
+    for w in stack:
+        h, _ = jax.vmap(layer, in_axes=(0, None))(h, w)
+    want = sum(jax.vmap(f, in_axes=(None, None, 0, 0))(outer, None, h, inputs)[0].sum() for f in (post, tail))
+    np.testing.assert_allclose(post_stats["loss"], want, rtol=1e-5)

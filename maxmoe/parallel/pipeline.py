@@ -4,25 +4,34 @@
     loss, (stage_grads, outer_grads_P), (stage_stats, post_stats) = grad_fn(
         stage_params, stage_state, outer_params, outer_state, inputs)
 
-The model arrives as three pure functions (`PipelineFns`):
-  * pre(outer, outer_state, inputs_m) -> x: the embedding and dense layers; stage 0 runs it
-    when micro-batch m enters chunk 0, and re-runs it under jax.vjp for its backward.
-  * stage(chunk_params, chunk_state, x) -> ((y, aux_loss), stats): one chunk of the layer
-    stack; every stage runs one per tick (idle stages compute on placeholders and discard).
-  * post(outer, outer_state, y, inputs_m) -> (loss, stats): norm, head, loss, MTP; stage P-1
-    runs it as one jax.vjp right after the last chunk's forward; its cotangent waits one
-    tick in a register and starts the backward.
-pre and post sit in lax.cond on a per-stage predicate, so only their stage spends their
-FLOPs; their collectives (data/expert/tensor, inside one stage) are issued by every device
-of that stage together.
+The model arrives as pure functions (`PipelineFns`):
+  * pre(outer, outer_state, inputs_m) -> x: the embedding; stage 0 runs it when micro-batch
+    m enters chunk 0, and re-runs it under jax.vjp for its backward.
+  * stage((chunk_params, shared), chunk_state, x) -> ((y, aux_loss), stats): one chunk of
+    the layer stack; every stage runs one per tick (idle stages compute on placeholders and
+    discard). shared = {key: outer[key] for key in fns.shared}: outer parameters a chunk
+    reads too (the dense layers, which take slots of the stage plan), differentiated with
+    the chunk; their gradients join the outer gradients of the stage that ran them.
+  * post(outer, outer_state, y, inputs_m) -> (loss, stats): norm, head, loss; stage P-1
+    runs it as one jax.vjp right after the last chunk's forward; its cotangent waits in a
+    register for the last chunk's backward.
+  * tail(outer, outer_state, y, inputs_m) -> (loss, stats), optional (MTP): a second loss
+    on the last chunk's output, run by stage 0 as one jax.vjp the tick after, on the output
+    the forward ring brings around from stage P-1; its cotangent of y goes back on the
+    backward ring and joins post's at the last chunk's backward, one tick later than without
+    a tail (the schedule's turnaround 2). Its stats have post's structure and are summed
+    with them.
+pre, post and tail sit in lax.cond on a per-stage predicate, so only their stage spends
+their FLOPs; their collectives (data/expert/tensor, inside one stage) are issued by every
+device of that stage together.
 
-The loss is mean_m post_loss_m + aux_weight * mean_m sum(aux losses of the chunks): the
-model's loss averaged over micro-batches, as gradient accumulation computes it. Gradients
-are exactly its gradients; they are never taken by differentiating the loop (that keeps
-every micro-batch's activations alive, GPipe's memory). Instead each forward tick runs
-jax.vjp of its chunk and puts the residuals in a ring of `schedule.slots` entries per
-stage (at most P*V + P - 1 items, however many micro-batches); the backward tick rebuilds the VJP
-from the ring. Residuals that are the chunk's own parameters are not copied. What the
+The loss is mean_m (post_loss_m + tail_loss_m) + aux_weight * mean_m sum(aux losses of
+the chunks): the model's loss averaged over micro-batches, as gradient accumulation
+computes it. Gradients are exactly its gradients; they are never taken by differentiating
+the loop (that keeps every micro-batch's activations alive, GPipe's memory). Instead each
+forward tick runs jax.vjp of its chunk and puts the residuals in a ring of
+`schedule.slots` entries per stage (at most P*V + P - 1 items, one more with a tail,
+however many micro-batches); the backward tick rebuilds the VJP from the ring. Residuals that are the chunk's own parameters are not copied. What the
 residuals are is the stage function's choice (its remat policy): per-layer remat keeps
 layer inputs, none keeps every activation. residuals="recompute" keeps the chunk input only
 and re-runs the chunk in the backward (public API only; one more chunk forward per item).
@@ -53,12 +62,14 @@ AXIS = "pipeline"
 
 @dataclasses.dataclass(frozen=True)
 class PipelineFns:
-    """The model cut into the three pure functions the pipeline runs (see the module docstring)."""
+    """The model cut into the pure functions the pipeline runs (see the module docstring)."""
 
     pre: Callable  # pre(outer_params, outer_state, inputs_m) -> x
-    stage: Callable  # stage(chunk_params, chunk_state, x) -> ((y, aux_loss), stats)
+    stage: Callable  # stage((chunk_params, shared), chunk_state, x) -> ((y, aux_loss), stats)
     post: Callable  # post(outer_params, outer_state, y, inputs_m) -> (loss, stats)
     aux_weight: float = 0.0  # weight of the chunks' aux losses in the loss
+    shared: tuple[str, ...] = ()  # keys of the outer params the stage reads as `shared`
+    tail: Callable | None = None  # tail(outer_params, outer_state, y, inputs_m) -> (loss, stats), on stage 0
 
 
 def _index(tree, i):
@@ -176,43 +187,48 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
     stage_params / stage_state: trees of [V, P, S, ...] arrays, dim 1 over `pipeline` (chunk
     v of stage p holds slots (v*P + p)*S ... + S-1). outer_params / outer_state and inputs (a
     tree of [M, ...] per-micro-batch arrays) are replicated over `pipeline`. Only the params
-    are differentiated.
+    are differentiated. A `fns.tail` needs a schedule of turnaround 2, and only it.
     Returns the float32 loss; grads = (stage grads [V, P, S, ...], outer grads per stage
-    [P, ...]), float32: each stage's share of the outer gradients (pre's on stage 0, post's
-    on stage P-1, zeros elsewhere), left for the caller to sum, so that the sum can be a
-    reduce-scatter onto optimizer state sharded over the stages; stats = (chunk stats summed
-    over micro-batches [V, P, ...], post stats summed over micro-batches).
+    [P, ...]), float32: each stage's share of the outer gradients (pre's and the tail's on
+    stage 0, post's on stage P-1, the shared params' where chunks ran them, zeros elsewhere),
+    left for the caller to sum, so that the sum can be a reduce-scatter onto optimizer state
+    sharded over the stages; stats = (chunk stats summed over micro-batches [V, P, ...], post
+    and tail stats summed over micro-batches).
     `run.info` holds the ring's size once traced (slots, bytes per item).
     """
+    if (fns.tail is not None) != (schedule.turnaround == 2):
+        raise ValueError(f"a tail needs a schedule of turnaround 2 and only it; got {schedule.turnaround}")
     residual_cls = RESIDUALS[residuals]
     P, V, M = schedule.stages, schedule.virtual, schedule.micro
-    tables_np = schedule.tables()
+    tables_np, tail_np = schedule.tables(), schedule.tail_table()
     info: dict = {}
     inv_m = 1.0 / M
 
     def body(stage_params, stage_state, outer, outer_state, inputs):
         p = jax.lax.axis_index(AXIS)
-        tables = jnp.asarray(tables_np)
+        tables, tail_table = jnp.asarray(tables_np), jnp.asarray(tail_np)
         # Per-stage copies: pre/post gradients stay on their stage until the final sum.
         outer, outer_state = _varying(outer), _varying(outer_state)
+        shared = {k: outer[k] for k in fns.shared}
         pre = lambda o, inp: fns.pre(o, outer_state, inp)  # noqa: E731
         post = lambda o, h, inp: fns.post(o, outer_state, h, inp)  # noqa: E731
         params_VS = jax.tree.map(lambda a: a[:, 0], stage_params)
         state_VS = jax.tree.map(lambda a: a[:, 0], stage_state)
         x_shape = jax.eval_shape(lambda: pre(outer, _index(inputs, 0)))
         zeros_x = _varying(jnp.zeros(x_shape.shape, x_shape.dtype))
-        stash = residual_cls(fns.stage, _index(params_VS, 0), _index(state_VS, 0), zeros_x)
+        stash = residual_cls(fns.stage, (_index(params_VS, 0), shared), _index(state_VS, 0), zeros_x)
         info["slots"] = schedule.slots
         info["residual_bytes_per_item"] = sum(math.prod(r.shape) * r.dtype.itemsize for r in stash.shapes)
         info["residual_shapes"] = [(tuple(r.shape), str(r.dtype)) for r in stash.shapes]
-        stats_shape = jax.eval_shape(lambda: fns.stage(_index(params_VS, 0), _index(state_VS, 0), zeros_x)[1])
+        stats_shape = jax.eval_shape(lambda: fns.stage((_index(params_VS, 0), shared), _index(state_VS, 0), zeros_x)[1])
         post_stats_shape = jax.eval_shape(lambda: post(outer, zeros_x, _index(inputs, 0))[1])
 
         def forward(t, c):
             micro, chunk, slot, valid = (tables[t, p, i] for i in range(4))
             inp = _index(inputs, micro)
             x_in = jax.lax.cond((p == 0) & (chunk == 0), lambda: pre(outer, inp), lambda: c["x_recv"])
-            (y, aux), stats, kept = stash.forward(_index(params_VS, chunk), _index(state_VS, chunk), x_in)
+            params_v = (_index(params_VS, chunk), shared)
+            (y, aux), stats, kept = stash.forward(params_v, _index(state_VS, chunk), x_in)
             c["ring"] = [r.at[slot].set(_to_ring(k)) for r, k in zip(c["ring"], kept, strict=True)]
             # Idle items computed on placeholders (possibly non-finite): selected away, never multiplied.
             c["stats"] = jax.tree.map(
@@ -226,22 +242,56 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
                 return loss + inv_m * loss_m, dh_new.astype(dh.dtype), _add(g_outer, g_o), _add(post_stats, stats_m)
 
             last = (p == P - 1) & (chunk == V - 1) & (valid == 1)
-            c["loss"], c["dh"], c["g_outer"], c["post_stats"] = jax.lax.cond(
-                last, run_post, lambda *a: a, c["loss"], c["dh"], c["g_outer"], c["post_stats"]
+            c["loss"], c["dh"][-1], c["g_outer"], c["post_stats"] = jax.lax.cond(
+                last, run_post, lambda *a: a, c["loss"], c["dh"][-1], c["g_outer"], c["post_stats"]
             )
             return c, y
 
+        def tail(t, c):
+            """Stage 0's tail on the last chunk's output stage P-1 sent last tick; its cotangent of it."""
+            inp = _index(inputs, tail_table[t, 0])
+
+            def run_tail(loss, g_outer, post_stats):
+                h = c["x_recv"]
+                loss_m, tail_vjp, stats_m = jax.vjp(
+                    lambda o, hh: fns.tail(o, outer_state, hh, inp), outer, h, has_aux=True
+                )
+                g_o, dh = tail_vjp(_varying(jnp.asarray(inv_m, loss_m.dtype)))
+                return loss + inv_m * loss_m, dh.astype(h.dtype), _add(g_outer, g_o), _add(post_stats, stats_m)
+
+            on = (p == 0) & (tail_table[t, 1] == 1)
+            c["loss"], dh, c["g_outer"], c["post_stats"] = jax.lax.cond(
+                on,
+                run_tail,
+                lambda loss, g, s: (loss, zeros_x, g, s),
+                c["loss"],
+                c["g_outer"],
+                c["post_stats"],
+            )
+            return c, dh, on
+
         def backward(t, c):
             micro, chunk, slot, valid = (tables[t, p, 4 + i] for i in range(4))
-            params_v, state_v = _index(params_VS, chunk), _index(state_VS, chunk)
+            params_v, state_v = (_index(params_VS, chunk), shared), _index(state_VS, chunk)
             kept = [_from_ring(r[slot], k.dtype) for r, k in zip(c["ring"], stash.shapes, strict=True)]
             vjp_fn = stash.vjp(kept, params_v, state_v)
-            dy = jnp.where((p == P - 1) & (chunk == V - 1), c["dh"], c["dx_recv"])
+            # The last chunk's cotangent: post's, plus the tail's, which stage 0 sent last tick.
+            dh = c["dh"][0] + c["dx_recv"] if fns.tail is not None else c["dh"][0]
+            dy = jnp.where((p == P - 1) & (chunk == V - 1), dh, c["dx_recv"])
             d_aux = _varying(jnp.asarray(fns.aux_weight * inv_m, jnp.float32))
-            d_params, dx = vjp_fn((dy, d_aux))
+            (d_params, d_shared), dx = vjp_fn((dy, d_aux))
             c["g_stage"] = jax.tree.map(
                 lambda acc, g: acc.at[chunk].add(jnp.where(valid == 1, g, 0).astype(acc.dtype)), c["g_stage"], d_params
             )
+            c["g_outer"] = {
+                **c["g_outer"],
+                **{
+                    k: jax.tree.map(
+                        lambda acc, g: acc + jnp.where(valid == 1, g, 0).astype(acc.dtype), c["g_outer"][k], d_shared[k]
+                    )
+                    for k in fns.shared
+                },
+            }
             inp = _index(inputs, micro)
 
             def run_pre(g_outer):
@@ -252,27 +302,31 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
             c["g_outer"] = jax.lax.cond(first, run_pre, lambda g: g, c["g_outer"])
             return c, dx
 
-        def warmup(c, t):
-            c, y = forward(t, c)
-            c["x_recv"] = _send(y, P, 1)
-            return c, None
+        def make_tick(has_backward: bool, has_forward: bool, has_tail: bool):
+            def tick(c, t):
+                dx = zeros_x
+                if has_backward:  # reads its ring slot before this tick's forward may reuse it
+                    c, dx = backward(t, c)
+                if has_tail:
+                    c, dh_tail, on = tail(t, c)
+                    dx = jnp.where(on, dh_tail, dx)  # stage 0's own dx is pre's alone then
+                # post's cotangents wait `turnaround` ticks, each tick one register on: the one this
+                # tick's backward read is done with, this tick's post (if any) writes the last.
+                c["dh"] = c["dh"][1:] + c["dh"][-1:]
+                if has_forward:
+                    c, y = forward(t, c)
+                    c["x_recv"] = _send(y, P, 1)
+                if has_backward or has_tail:
+                    c["dx_recv"] = _send(dx, P, -1)
+                return c, None
 
-        def steady(c, t):
-            c, dx = backward(t, c)  # reads its ring slot before this tick's forward may reuse it
-            c, y = forward(t, c)
-            c["x_recv"], c["dx_recv"] = _send(y, P, 1), _send(dx, P, -1)
-            return c, None
-
-        def cooldown(c, t):
-            c, dx = backward(t, c)
-            c["dx_recv"] = _send(dx, P, -1)
-            return c, None
+            return tick
 
         carry = _varying(
             {
                 "x_recv": zeros_x,
                 "dx_recv": zeros_x,
-                "dh": zeros_x,
+                "dh": [zeros_x] * schedule.turnaround,
                 "ring": [jnp.zeros((schedule.slots, *r.shape), _ring_dtype(r.dtype)) for r in stash.shapes],
                 "g_stage": _zeros(params_VS, jnp.float32),
                 "g_outer": _zeros(outer, jnp.float32),
@@ -281,14 +335,20 @@ def pipeline_value_and_grad(fns: PipelineFns, schedule: Schedule, mesh, residual
                 "post_stats": jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), post_stats_shape),
             }
         )
+        # Three loops: forwards only, forwards and backwards, backwards only. With a tail the
+        # middle one starts at its first tick, P*V, one before the first backward: that tick's
+        # backward computes on placeholders (one wasted backward a step, against a fourth and a
+        # fifth copy of the loop body for the tail's first and last ticks).
+        steady = P * V
+        tail_on = fns.tail is not None
         phases = (
-            (warmup, 0, schedule.warmup_end),
-            (steady, schedule.warmup_end, schedule.forward_end),
-            (cooldown, schedule.forward_end, schedule.ticks),
+            (make_tick(False, True, False), 0, steady),
+            (make_tick(True, True, tail_on), steady, schedule.forward_end),
+            (make_tick(True, False, tail_on), schedule.forward_end, schedule.ticks),
         )
-        for fn, start, end in phases:
+        for tick, start, end in phases:
             if end > start:
-                carry, _ = jax.lax.scan(fn, carry, jnp.arange(start, end, dtype=jnp.int32))
+                carry, _ = jax.lax.scan(tick, carry, jnp.arange(start, end, dtype=jnp.int32))
         loss, post_stats = jax.lax.psum((carry["loss"], carry["post_stats"]), AXIS)
         g_outer = jax.tree.map(lambda a: a[None], carry["g_outer"])
         g_stage = jax.tree.map(lambda a: a[:, None], carry["g_stage"])
@@ -309,7 +369,8 @@ def pipeline_forward(fns: PipelineFns, schedule: Schedule, mesh) -> Callable:
     """run(stage_params, stage_state, outer_params, outer_state, inputs) -> (mean loss, post stats summed).
 
     The forward ticks of `schedule` only (evaluation): nothing is kept for a backward, so a
-    stage holds one activation at a time. The loss is mean_m post_loss_m (no aux losses).
+    stage holds one activation at a time. The loss is mean_m post_loss_m (no aux losses, no
+    tail).
     """
     P, V, M = schedule.stages, schedule.virtual, schedule.micro
     tables_np = schedule.tables()
@@ -329,7 +390,8 @@ def pipeline_forward(fns: PipelineFns, schedule: Schedule, mesh) -> Callable:
             inp = _index(inputs, micro)
             first = (p == 0) & (chunk == 0)
             x_in = jax.lax.cond(first, lambda: fns.pre(outer, outer_state, inp), lambda: c["x_recv"])
-            (y, _), _ = fns.stage(_index(params_VS, chunk), _index(state_VS, chunk), x_in)
+            params_v = (_index(params_VS, chunk), {k: outer[k] for k in fns.shared})
+            (y, _), _ = fns.stage(params_v, _index(state_VS, chunk), x_in)
 
             def run_post(acc):
                 return _add(acc, fns.post(outer, outer_state, y, inp))

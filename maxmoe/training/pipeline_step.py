@@ -4,7 +4,8 @@
 
 The state's `moe_layers` leaves are in the stage layout (maxmoe.training.stage_state);
 the other parameters (embedding, dense layers, head, MTP), which every stage holds to
-compute with, keep their master weights and Adam moments ZeRO-1 over the stages
+compute with (the dense layers run in slots of the stage plan, MTP on stage 0 as the
+schedule's tail: maxmoe.model.stages), keep their master weights and Adam moments ZeRO-1 over the stages
 (maxmoe.training.programs): once per step their compute-dtype copy is gathered across the
 stages and their gradients, summed per stage by the schedule, reduce-scattered back
 (maxmoe.parallel.replicas.compute_copy / reduce_to_zero1 over `pipeline`). The
@@ -35,11 +36,16 @@ from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, 
 
 
 def make_fns(config: Config, layout: Any, *, train: bool = True) -> PipelineFns:
-    """The model's pre / chunk / post for the pipeline; post computes the training loss
-    (train=True) or the next-token loss alone (evaluation)."""
+    """The model's pre / chunk / post (and MTP as the tail) for the pipeline; post and tail
+    compute the training loss's terms (train=True: post the next-token loss, the tail
+    mtp_loss_weight x the MTP losses and MTP's seq_aux term), or post the next-token loss alone
+    (evaluation)."""
+    m = config.model
     hidden_only = config.train.loss_chunk > 0
-    first = stages.make_first(config.model, layout)
-    last = stages.make_last(config.model, layout, hidden_only=hidden_only)
+    first = stages.make_first(m, layout)
+    head = stages.make_head(m, layout, hidden_only=hidden_only)
+    mtp = stages.make_mtp(m, layout, hidden_only=hidden_only)
+    with_tail = train and m.mtp_num_layers > 0
 
     def pre(outer, outer_state, batch_BT):
         del outer_state
@@ -47,20 +53,42 @@ def make_fns(config: Config, layout: Any, *, train: bool = True) -> PipelineFns:
 
     def post(outer, outer_state, h_BTD, batch_BT):
         tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
-        main, mtp, stats = last(outer, outer_state, h_BTD, tokens)
         output_loss = make_output_loss(config, layout.on_context_mesh())
+        loss, aux = output_loss(outer["head"], head(outer, outer_state, h_BTD, tokens), [], targets, {})
         if not train:
-            return output_loss(outer["head"], main, [], targets, {})[1]["lm_loss"], {}
-        return output_loss(outer["head"], main, mtp, targets, stats)
+            return aux["lm_loss"], {}
+        if with_tail:  # the tail's statistics, zero here: the two are summed
+            shapes = jax.eval_shape(lambda: mtp(outer, outer_state, h_BTD, tokens)[1])
+            aux["moe_stats"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return loss, aux
 
-    return PipelineFns(pre, stages.make_chunk(config.model, layout), post, aux_weight=config.moe.seq_aux_alpha)
+    def tail(outer, outer_state, h_BTD, batch_BT):
+        tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
+        output_loss = make_output_loss(config, layout.on_context_mesh())
+        depths, stats = mtp(outer, outer_state, h_BTD, tokens)
+        return output_loss(outer["head"], None, depths, targets, stats)
+
+    return PipelineFns(
+        pre,
+        stages.make_chunk(m, layout),
+        post,
+        aux_weight=config.moe.seq_aux_alpha,
+        shared=(stages.DENSE,) if m.first_k_dense else (),
+        tail=tail if with_tail else None,
+    )
+
+
+def _schedule(config: Config, fns: PipelineFns):
+    m = config.mesh
+    return build_schedule(m.pipeline, m.pipeline_virtual, config.train.grad_accum, 1 if fns.tail is None else 2)
 
 
 def _stage_inputs(config: Config, params: dict, router: dict):
     stack, outer = stages.split_stack(params)
     stack_router, outer_state = stages.split_stack(router)
-    mask = jnp.asarray(stage_state.slot_layout(config).mask())
-    return stack, {"router": stack_router, "mask": mask}, outer, outer_state
+    slots = stage_state.slot_layout(config)
+    state = {"router": stack_router, "mask": jnp.asarray(slots.mask()), "dense": jnp.asarray(slots.dense_at())}
+    return stack, state, outer, outer_state
 
 
 def _outer_weights(config: Config, layout: Any):
@@ -72,11 +100,10 @@ def _outer_weights(config: Config, layout: Any):
 
 def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransformation, layout: Any) -> Callable:
     """train_step(state, batch) -> (state, metrics) through the pipeline schedule."""
-    m = config.mesh
     accum = config.train.grad_accum
-    schedule = build_schedule(m.pipeline, m.pipeline_virtual, accum)
+    fns = make_fns(config, layout)
     grad_fn = pipeline_value_and_grad(
-        make_fns(config, layout), schedule, layout.mesh, residuals=config.train.pipeline_residuals
+        fns, _schedule(config, fns), layout.mesh, residuals=config.train.pipeline_residuals
     )
     outer_copy, outer_zero1, _ = _outer_weights(config, layout)
 
@@ -89,7 +116,7 @@ def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransforma
         loss, (g_stack, g_outer_P), (stats, post) = grad_fn(stack, stack_state, outer_copy(outer), outer_state, micro)
         g_outer = replicas.reduce_to_zero1(g_outer_P, outer_zero1, 1.0, axis=AXIS)
         grads = {**g_outer, stages.STACK: g_stack}
-        # post: the MTP depths' statistics and losses; stats: every slot's, [V, P, S, ...].
+        # post: the losses and the MTP depths' statistics (post's and the tail's); stats: every slot's, [V, P, S, ...].
         seq_aux = post["seq_aux"] + stats["moe"]["router"]["seq_aux"].sum()
         aux = {"lm_loss": post["lm_loss"], "mtp_loss": post["mtp_loss"], "seq_aux": seq_aux}
         aux["moe_stats"] = {**post["moe_stats"], stages.STACK: stats}
@@ -101,11 +128,9 @@ def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransforma
 
 def make_pipeline_eval_step(config: Config, layout: Any) -> Callable:
     """eval_step(params, router, batch) -> next-token loss, through the forward ticks of the schedule."""
-    m = config.mesh
     accum = config.train.grad_accum
-    run = pipeline_forward(
-        make_fns(config, layout, train=False), build_schedule(m.pipeline, m.pipeline_virtual, accum), layout.mesh
-    )
+    fns = make_fns(config, layout, train=False)
+    run = pipeline_forward(fns, _schedule(config, fns), layout.mesh)
     outer_copy, _, _ = _outer_weights(config, layout)
 
     def eval_step(params, router, batch_BT):

@@ -26,11 +26,12 @@ from maxmoe.parallel.pipeline_schedule import SlotLayout
 
 
 def slot_layout(config: Config) -> SlotLayout | None:
-    """Where the MoE layers sit on the stages; None without a pipeline."""
+    """Where the layers (dense and MoE) sit on the stages; None without a pipeline."""
     m, mesh = config.model, config.mesh
     if mesh.pipeline == 1:
         return None
-    return SlotLayout(m.num_layers - m.first_k_dense, mesh.pipeline, mesh.pipeline_virtual, mesh.pipeline_pad_front)
+    moe = m.num_layers - m.first_k_dense
+    return SlotLayout(moe, mesh.pipeline, mesh.pipeline_virtual, mesh.pipeline_pad_front, m.first_k_dense)
 
 
 def _stacked(path) -> bool:

@@ -58,7 +58,7 @@ def _stats_leaves(stats: dict, name: str) -> list[jax.Array]:
 def make_output_loss(config: Config, layout: Any = None) -> Callable:
     """fn(w_head_DV, main, mtp, targets_BT, moe_stats) -> (loss, aux) from the model's outputs.
 
-    main and mtp (one per depth) are logits, or with train.loss_chunk > 0 the final-normed
+    main (None: the MTP terms alone) and mtp (one per depth) are logits, or with train.loss_chunk > 0 the final-normed
     hidden states the head is applied to block by block; moe_stats are the MoE layers'
     statistics (their seq_aux terms enter the loss).
     """
@@ -68,17 +68,20 @@ def make_output_loss(config: Config, layout: Any = None) -> Callable:
 
     def output_loss(w_head_DV, main, mtp, targets, stats):
         t = targets.shape[1]
-        # Depth k predicts token t + k + 1: its last k positions have no target.
-        targets_SBT = jnp.stack([targets] + [shift_left(targets, k) for k in range(1, len(mtp) + 1)])
+        # Depth k predicts token t + k + 1: its last k positions have no target. main None:
+        # the MTP terms alone (lm_loss 0; the pipeline computes the two on different stages).
+        depths = ([0] if main is not None else []) + list(range(1, len(mtp) + 1))
+        outputs = ([main] if main is not None else []) + list(mtp)
+        targets_SBT = jnp.stack([shift_left(targets, k) if k else targets for k in depths])
         mask_SBT = jnp.stack(
-            [jnp.broadcast_to((jnp.arange(t) < t - k).astype(jnp.float32), targets.shape) for k in range(len(mtp) + 1)]
+            [jnp.broadcast_to((jnp.arange(t) < t - k).astype(jnp.float32), targets.shape) for k in depths]
         )
         # Made in natural order; the model's outputs are in the layout's (context parallelism: zigzag).
         targets_SBT = jnp.stack([in_layout_order(layout, x) for x in targets_SBT])
         mask_SBT = jnp.stack([in_layout_order(layout, x) for x in mask_SBT])
         if chunk > 0:  # main and mtp are hidden states: the head runs block by block, once for all of them
             losses = head_cross_entropies(
-                jnp.stack([main, *mtp]),
+                jnp.stack(outputs),
                 w_head_DV,
                 targets_SBT,
                 mask_SBT,
@@ -87,10 +90,11 @@ def make_output_loss(config: Config, layout: Any = None) -> Callable:
                 constrain=constrain,
             )
         else:
-            losses = jnp.stack([cross_entropy(x, y, m) for x, y, m in zip([main, *mtp], targets_SBT, mask_SBT)])
-        lm_loss, mtp_losses = losses[0], losses[1:]
-        mtp_loss = jnp.mean(mtp_losses) if len(mtp) else jnp.zeros((), jnp.float32)
-        seq_aux = sum((x.sum() for x in _stats_leaves(stats, "seq_aux")), jnp.zeros((), jnp.float32))
+            losses = jnp.stack([cross_entropy(x, y, m) for x, y, m in zip(outputs, targets_SBT, mask_SBT)])
+        zero = jnp.zeros((), jnp.float32)
+        lm_loss, mtp_losses = (losses[0], losses[1:]) if main is not None else (zero, losses)
+        mtp_loss = jnp.mean(mtp_losses) if len(mtp) else zero
+        seq_aux = sum((x.sum() for x in _stats_leaves(stats, "seq_aux")), zero)
         loss = lm_loss + weight * mtp_loss + alpha * seq_aux
         return loss, {"lm_loss": lm_loss, "mtp_loss": mtp_loss, "seq_aux": seq_aux, "moe_stats": stats}
 
