@@ -77,7 +77,7 @@ def _moe_active_matmul_params(m: ModelConfig) -> int:
 
 
 def flops_per_token_by_part(m: ModelConfig, seq_len: int) -> dict[str, float]:
-    """Training model FLOPs per token of the model's pieces, as a pipeline places them.
+    """Training model FLOPs per token of the model's pieces (a pipeline's: pipeline_piece_flops_per_token).
 
     dense_layers: the first_k_dense dense layers together; moe_layer: one MoE layer; head_and_mtp:
     the output head and the MTP depths. flops_per_token = dense_layers + (num_layers -
@@ -186,6 +186,45 @@ FP8_GEMM_CLASSES = {
 }
 
 
+def pipeline_piece_flops_per_token(m: ModelConfig, seq_len: int, loss_chunk: int) -> dict[str, float]:
+    """Executed training FLOPs per token of the pieces a pipeline places on its stages.
+
+    dense_layer, moe_layer: one layer, plus what `model.remat` runs again in its backward
+    (RECOMPUTED_CLASSES: a forward, a third of the training FLOPs, of each recomputed GEMM
+    class). head: the output head with the loss; with loss_chunk > 0 the chunked loss's
+    backward projects each vocabulary block again (maxmoe.training.loss: 4/3 of the head's
+    training FLOPs). mtp: every MTP depth -- its [2D, D] projection, its MoE block (not
+    rematerialised) and the head again, as `head`.
+    """
+    recomputed = RECOMPUTED_CLASSES.get(m.remat)
+    if recomputed is None:
+        raise ValueError(f"model.remat={m.remat!r}: no recompute table entry")
+    d = m.hidden_size
+    expert = 6.0 * 3 * d * m.moe_mlp_dim
+    shared = {
+        "attention": 6.0 * _attention_params(m),
+        "attention_core": 3.0 * seq_len * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim),
+    }
+    dense = {**shared, "dense_mlp": 6.0 * 3 * d * m.mlp_dim}
+    moe = {
+        **shared,
+        "router": 6.0 * d * m.num_experts,
+        "shared_experts": expert * m.num_shared_experts,
+        "routed_experts": expert * m.experts_per_token,
+    }
+
+    def executed(classes):
+        return sum(f * (4.0 / 3.0 if name in recomputed else 1.0) for name, f in classes.items())
+
+    head = 6.0 * d * m.vocab_size * (4.0 / 3.0 if loss_chunk > 0 else 1.0)
+    return {
+        "dense_layer": executed(dense),
+        "moe_layer": executed(moe),
+        "head": head,
+        "mtp": m.mtp_num_layers * (6.0 * 2 * d * d + sum(moe.values()) + head),
+    }
+
+
 def fp8_gemm_classes(recipe: str, arch: str) -> tuple[str, ...]:
     """The GEMM classes (flops_per_token_by_class's) `model.fp8=recipe` runs in FP8 on `arch`."""
     return FP8_GEMM_CLASSES[(recipe, arch)]
@@ -210,6 +249,7 @@ __all__ = [
     "count_params",
     "flops_per_token",
     "flops_per_token_by_part",
+    "pipeline_piece_flops_per_token",
     "fp8_flops_per_token",
     "flops_per_token_by_class",
     "fp8_gemm_classes",

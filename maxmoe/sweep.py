@@ -513,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"pipeline {r['name']}: {p['stages']} stages x {p['virtual']} chunks, {p['micro_batches']} micro-batches, "
                 f"{p['slots_per_chunk']} layer slots per chunk: bubble {p['bubble']:.3f} (analytic), "
                 f"{measured_text(p)}, {p['ring_slots']} items in flight per stage; busiest chunk "
-                f"{p['stage_imbalance']:.2f} x the mean, stages' compute time x {p['compute_scale']:.3f} (planner)"
+                f"(v, p) = {tuple(p['busiest_chunk'])}: {p['stage_imbalance']:.2f} x the mean, "
+                f"stages' compute time x {p['compute_scale']:.3f} (planner)"
             )
     notes = sorted({n for r in report["results"] for n in r.get("notes", [])})
     for n in notes:

@@ -29,7 +29,7 @@ from maxmoe.analysis.planner import (
     workload_from_ops,
 )
 from maxmoe.config import load_config
-from maxmoe.flops import flops_per_token, flops_per_token_by_part
+from maxmoe.flops import flops_per_token, pipeline_piece_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,31 +247,68 @@ def test_system_table():
     assert SYSTEMS["gb300"].scale_up_gb_s == pytest.approx(1800 / 2)  # NVLink 5: 1.8 TB/s both ways
 
 
-PARTS = {"dense_layers": 3.0, "moe_layer": 1.0, "head_and_mtp": 2.0}
+PIECES = {"dense_layer": 1.5, "moe_layer": 1.0, "head": 2.0, "mtp": 3.0}
 
 
 def test_pipeline_of_equal_chunks_costs_the_bubble_only():
-    # 2 stages x 1 chunk, 4 layers each, no dense layers, head or MTP: work 4 and 4.
-    out = pipeline_compute_scale({**PARTS, "dense_layers": 0.0, "head_and_mtp": 0.0}, [[4, 4]], bubble=0.2)
+    # 2 stages x 1 chunk, 4 MoE layers each, no dense layers, head or MTP: work 4 and 4.
+    out = pipeline_compute_scale({**PIECES, "head": 0.0, "mtp": 0.0}, [[0, 0]], [[4, 4]], bubble=0.2)
     assert out["stage_imbalance"] == pytest.approx(1.0)
     assert out["compute_scale"] == pytest.approx(1.25)  # 1 / (1 - 0.2)
 
 
-def test_pipeline_end_stages_set_the_tick():
-    # 4 stages x 1 chunk of 2 slots; 3 empty slots in front, 1 at the back: layers 0, 1, 2, 1 per chunk.
-    # Work: stage 0: 0 + 3 (dense) = 3, and their forward again: 4; stages 1-2: 1 and 2; stage 3: 1 + 2 = 3.
-    # Mean of the useful work: (3 + 1 + 2 + 3) / 4 = 2.25; busiest 4; bubble 0.25.
-    out = pipeline_compute_scale(PARTS, [[0, 1, 2, 1]], bubble=0.25)
-    assert out["stage_imbalance"] == pytest.approx(4 / 2.25)
-    assert out["compute_scale"] == pytest.approx(4 / 2.25 / 0.75)
+def test_pipeline_places_mtp_on_the_first_stage_and_the_head_on_the_last():
+    # 4 stages x 1 chunk of 2 slots, 2 dense + 3 MoE layers, 2 empty slots in front:
+    # [e e | d0 d1 | m0 m1 | m2 e]. Work: stage 0: MTP 3; stage 1: 2 x 1.5 = 3; stage 2: 2;
+    # stage 3: 1 + head 2 = 3. Mean 11 / 4 = 2.75, busiest 3 (stage 0 first); bubble 0.25.
+    out = pipeline_compute_scale(PIECES, [[0, 2, 0, 0]], [[0, 0, 2, 1]], bubble=0.25)
+    assert out["stage_imbalance"] == pytest.approx(3 / 2.75)
+    assert out["compute_scale"] == pytest.approx(3 / 2.75 / 0.75)
+    assert out["busiest_chunk"] == [0, 0] and out["chunk_work"] == [[3.0, 3.0, 2.0, 3.0]]
 
 
 def test_pipeline_extra_work_sits_on_the_first_and_last_chunk():
-    # 2 stages x 2 chunks [V][P]: dense layers on (v0, p0), head and MTP on (v1, p1).
-    # Work: v0: 2 + 3 = 5 (busy 6), 2; v1: 2, 2 + 2 = 4. Mean 13 / 4; busiest 6.
-    out = pipeline_compute_scale(PARTS, [[2, 2], [2, 2]], bubble=0.1)
-    assert out["stage_imbalance"] == pytest.approx(6 / 3.25)
-    assert out["compute_scale"] == pytest.approx(6 / 3.25 / 0.9)
+    # 2 stages x 2 chunks [V][P]: MTP on (v0, p0), the head on (v1, p1).
+    # Work: v0: 1.5 + 1 + 3 = 5.5, 2; v1: 2, 2 + 2 = 4. Mean 13.5 / 4; busiest 5.5.
+    out = pipeline_compute_scale(PIECES, [[1, 0], [0, 0]], [[1, 2], [2, 2]], bubble=0.1)
+    assert out["stage_imbalance"] == pytest.approx(5.5 / 3.375)
+    assert out["compute_scale"] == pytest.approx(5.5 / 3.375 / 0.9)
+
+
+def test_pipeline_pieces_are_the_model_flops_with_what_runs_again():
+    """Without recompute and with whole logits the pieces add up to flops_per_token; remat full
+    runs every layer's forward again (+1/3), the chunked loss the head's (+1/3), MTP neither."""
+    m = load_config([ROOT / "configs/deepseek_v3_671b.yaml"]).model
+    plain = pipeline_piece_flops_per_token(dataclasses.replace(m, remat="none"), 4096, loss_chunk=0)
+    total = 3 * plain["dense_layer"] + 58 * plain["moe_layer"] + plain["head"] + plain["mtp"]
+    assert total == pytest.approx(flops_per_token(m, 4096), rel=1e-12)
+    full = pipeline_piece_flops_per_token(dataclasses.replace(m, remat="full"), 4096, loss_chunk=16384)
+    for piece in ("dense_layer", "moe_layer", "head"):
+        assert full[piece] == pytest.approx(4 / 3 * plain[piece], rel=1e-12)
+    assert full["mtp"] - plain["mtp"] == pytest.approx(full["head"] - plain["head"], rel=1e-12)
+
+
+def test_h200_plan_stages_are_balanced():
+    """configs/mesh_256_h200.yaml, by hand (GFLOP per token at 4,096 tokens, executed, remat full):
+    a MoE layer 6 x (187,105,280 attention + 396,361,728 active experts + 1,835,008 router
+    parameters) + 503.3 core = 4.0151, x 4/3 = 5.3535; a dense layer's MLP has the active
+    experts' 396,361,728 parameters with no router: 4.0041, x 4/3 = 5.3388; the head 6 x 7168 x
+    129,280 = 5.5601, x 4/3 (chunked loss) = 7.4135; MTP 12 x 7168^2 = 0.6166 + 4.0151 + 7.4135
+    = 12.0452. Total 3 x 5.3388 + 58 x 5.3535 + 7.4135 + 12.0452 = 345.98 over 32 stages: 10.812.
+    2 empty slots in front: stage 0 MTP alone (12.045), stage 1 two dense layers, stage 2 the
+    last dense and MoE layer 0, stages 3-30 two MoE layers (10.707), stage 31 MoE layer 57 and
+    the head (12.767): 1.181 x the mean."""
+    config = load_config(
+        [ROOT / "configs/deepseek_v3_671b.yaml", ROOT / "configs/mesh_256_h200.yaml"], ["run.cpu_devices=256"]
+    )
+    report = pipeline_report(config)
+    assert report["slots_per_chunk"] == 2 and report["padding_slots"] == 3
+    assert report["busiest_chunk"] == [0, 31]
+    assert report["stage_imbalance"] == pytest.approx(12.767 / 10.812, rel=2e-4)
+    assert report["stage_imbalance"] <= 1.3
+    work = report["chunk_work"][0]  # in executed MoE layers
+    assert work[0] == pytest.approx(12.045 / 5.3535, rel=2e-4) and work[3:31] == pytest.approx([2.0] * 28)
+    assert report["bubble"] == pytest.approx(31 / (192 + 31))
 
 
 def test_pipeline_bubble_is_a_step_part():
@@ -291,8 +328,9 @@ def test_pipeline_bubble_is_a_step_part():
 
 
 def test_dry_run_reports_the_chunks_of_its_slot_layout():
-    # 4 MoE layers, 2 stages x 2 chunks, 1 empty slot in front: 2 slots per chunk, chunk v*P + p
-    # holds slots 2c, 2c+1 of [empty, L0, L1, L2, L3, empty, empty, empty]: [V][P] = [[1, 2], [1, 0]].
+    # 1 dense + 4 MoE layers, 2 stages x 2 chunks, 1 empty slot in front: 2 slots per chunk,
+    # chunk v*P + p holds slots 2c, 2c+1 of [empty, D0, L0, L1, L2, L3, empty, empty]:
+    # dense [V][P] = [[1, 0], [0, 0]], MoE [[0, 2], [2, 0]].
     config = load_config(
         [ROOT / "configs/tiny.yaml"],
         [
@@ -305,9 +343,8 @@ def test_dry_run_reports_the_chunks_of_its_slot_layout():
         ],
     )
     report = pipeline_report(config)
-    parts = flops_per_token_by_part(config.model, config.train.seq_len)
-    want = pipeline_compute_scale(parts, [[1, 2], [1, 0]], report["bubble"])
+    pieces = pipeline_piece_flops_per_token(config.model, config.train.seq_len, config.train.loss_chunk)
+    want = pipeline_compute_scale(pieces, [[1, 0], [0, 0]], [[0, 2], [2, 0]], report["bubble"])
     assert report["compute_scale"] == pytest.approx(want["compute_scale"])
     assert report["stage_imbalance"] == pytest.approx(want["stage_imbalance"])
-    total = parts["dense_layers"] + 4 * parts["moe_layer"] + parts["head_and_mtp"]
-    assert total == pytest.approx(flops_per_token(config.model, config.train.seq_len))
+    assert report["ring_slots"] == 2 * 2 + 2  # MTP's tail: one item more than P*V + P - 1

@@ -38,13 +38,14 @@ per device:
               from it): a sweep seldom holds the matching shape, whose grad_accum differs.
               Remat recompute, attention and the optimizer cancel; what remains is the
               bubble plus stage imbalance as the lockstep ticks count it: padding slots
-              counted as full layers (their skip is a conditional), and the embedding and
-              dense layers (stage 0) and the head and MTP (stage P-1) counted in every
-              tick. An upper bound: a tick costs its busiest stage's work, less than the
-              sum over conditionals of each one's busiest branch. The planner uses the
-              analytic count instead (stage_imbalance, compute_scale:
-              maxmoe.analysis.planner.pipeline_compute_scale): each chunk's model FLOPs, empty slots
-              free, the end stages' extra work only on those stages.
+              counted as full layers (their skip is a conditional), and MTP (stage 0) and
+              the head (stage P-1) counted in every tick. An upper bound: a tick costs its
+              busiest stage's work, less than the sum over conditionals of each one's
+              busiest branch. The planner uses the analytic count instead
+              (stage_imbalance, compute_scale: maxmoe.analysis.planner.pipeline_compute_scale):
+              each chunk's executed FLOPs (dense and MoE slots with model.remat's recompute,
+              the head with its loss, MTP), empty slots free, the end stages' extra work
+              only on those stages.
   prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
               GPU, MFU and bound (step_workload): model FLOPs for throughput, executed FLOPs
               (model.remat's recompute added) for time, each split into the GEMM classes the
@@ -94,8 +95,8 @@ from maxmoe.flops import (
     count_params,
     flops_per_token,
     flops_per_token_by_class,
-    flops_per_token_by_part,
     fp8_gemm_classes,
+    pipeline_piece_flops_per_token,
     recompute_flops_per_token,
 )
 from maxmoe.kernels.choice import Choice
@@ -142,10 +143,12 @@ def native_a2a_bytes(config: Config, sizes: dict[str, int]) -> dict[str, float]:
     # moe.fp8_dispatch: each forward dispatch (recomputed ones too; not the combine, not the
     # transposes) moves e4m3 values and their scales.
     dispatch_bytes = payload_bytes_per_row(m.hidden_size, m.fp8) if config.moe.fp8_dispatch else row_bytes
-    # A stage runs its own slots of the MoE stack (the last one also MTP): the busiest device's calls.
+    # A stage runs its own slots of the layer plan (stage 0 also MTP): the busiest device's calls,
+    # every slot counted as a MoE layer (the program holds a MoE branch in each).
     scanned, mtp = m.num_layers - m.first_k_dense, m.mtp_num_layers
     if sizes.get("pipeline", 1) > 1:
-        slots = SlotLayout(scanned, sizes["pipeline"], config.mesh.pipeline_virtual, config.mesh.pipeline_pad_front)
+        mesh = config.mesh
+        slots = SlotLayout(scanned, sizes["pipeline"], mesh.pipeline_virtual, mesh.pipeline_pad_front, m.first_k_dense)
         scanned = slots.per_chunk * slots.virtual
     recomputed = scanned if m.remat not in ("none",) + COMM_SAVING_POLICIES else 0
     forward = rows * (dispatch_bytes + row_bytes) * (scanned + mtp)
@@ -170,9 +173,10 @@ def pipeline_report(config: Config) -> dict | None:
     slots = slot_layout(config)
     if slots is None:
         return None
-    schedule = build_schedule(slots.stages, slots.virtual, config.train.grad_accum)
-    parts = flops_per_token_by_part(config.model, config.train.seq_len)
-    layers_per_chunk = slots.mask().sum(-1).tolist()  # [V][P]
+    turnaround = 2 if config.model.mtp_num_layers else 1  # MTP: the tail on stage 0 (maxmoe.training.pipeline_step)
+    schedule = build_schedule(slots.stages, slots.virtual, config.train.grad_accum, turnaround)
+    pieces = pipeline_piece_flops_per_token(config.model, config.train.seq_len, config.train.loss_chunk)
+    dense, moe = (slots.dense_at() >= 0).sum(-1).tolist(), slots.mask().sum(-1).tolist()  # [V][P]
     return {
         "stages": slots.stages,
         "virtual": slots.virtual,
@@ -181,7 +185,7 @@ def pipeline_report(config: Config) -> dict | None:
         "padding_slots": slots.pad_front + slots.pad_back,
         "bubble": schedule.bubble,
         "ring_slots": schedule.in_flight(),
-        **planner.pipeline_compute_scale(parts, layers_per_chunk, schedule.bubble),
+        **planner.pipeline_compute_scale(pieces, dense, moe, schedule.bubble),
     }
 
 

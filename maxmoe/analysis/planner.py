@@ -15,7 +15,7 @@ xla.profile). The model, per device and per step; every constant is a field of
               runs at (the bf16 peak for bf16 rows; `mfu_bf16_peak` beside it). With pipeline
               stages the stages' timeline is t_c / (1 - bubble) x stage_imbalance: the
               parts "pipeline bubble" (the schedule's idle ticks) and "stage imbalance" (the
-              busiest chunk over the mean) apart.
+              busiest chunk's executed FLOPs over the mean: pipeline_compute_scale) apart.
   collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link[tier, kind]).
               Launches are counted after XLA:GPU's combining: the all-gathers, reduce-scatters
               and all-reduces of one computation, pass, tier and group size merge up to the
@@ -214,28 +214,39 @@ def predict(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -
     )
 
 
-def pipeline_compute_scale(parts: dict, layers_per_chunk, bubble: float) -> dict:
+def pipeline_compute_scale(pieces: dict, dense_per_chunk, moe_per_chunk, bubble: float) -> dict:
     """How much longer pipeline stages take than their work alone: the bubble and the busiest chunk.
 
-    parts: flops.flops_per_token_by_part; layers_per_chunk [V][P]: the MoE layers chunk v of
-    stage p runs (empty slots are skipped, so they cost nothing); bubble: the schedule's
-    analytic idle fraction, (P - 1) / (M V + P - 1). Chunk (0, 0) also runs the dense layers,
-    forward and backward, and their forward once more in its backward tick; chunk (V-1, P-1)
-    the head and MTP. Every tick takes as long as the busiest chunk's forward and backward,
-    so the stages' time over the time of their work spread evenly is
+    pieces: maxmoe.flops.pipeline_piece_flops_per_token (executed FLOPs of one dense layer,
+    one MoE layer, the head with its loss, the MTP depths); dense_per_chunk, moe_per_chunk
+    [V][P]: the dense and MoE layers chunk v of stage p runs in its slots (empty slots are
+    skipped, so they cost nothing); bubble: the schedule's analytic idle fraction,
+    (P - 1) / (M V + P - 1). As maxmoe.training.pipeline_step runs the model, chunk (V-1,
+    P-1) also runs the head and the loss, and stage 0 the MTP depths (the pipeline's tail) in
+    the ticks it runs chunk 0's forward: chunk (0, 0) carries them. The embedding (a lookup)
+    costs no FLOPs. Every tick takes as long as the busiest stage's forward and backward, so
+    the stages' time over the time of their work spread evenly is
 
         compute_scale = (busiest chunk / mean chunk) / (1 - bubble),
 
-    1 / (1 - bubble) for chunks of equal work. The mean counts useful work only (not the
-    dense layers' second forward).
+    1 / (1 - bubble) for chunks of equal work. Returns it with stage_imbalance (busiest over
+    mean), busiest_chunk [v, p] and chunk_work [V][P] in MoE layers (executed).
     """
-    work = [[n * parts["moe_layer"] for n in row] for row in layers_per_chunk]
-    work[0][0] += parts["dense_layers"]
-    work[-1][-1] += parts["head_and_mtp"]
+    work = [
+        [d * pieces["dense_layer"] + n * pieces["moe_layer"] for d, n in zip(dense_row, moe_row, strict=True)]
+        for dense_row, moe_row in zip(dense_per_chunk, moe_per_chunk, strict=True)
+    ]
+    work[-1][-1] += pieces["head"]
+    work[0][0] += pieces["mtp"]
     mean = sum(map(sum, work)) / sum(map(len, work))
-    # Chunk (0, 0) is busier by the dense layers' re-run forward (a third of forward + backward).
-    busiest = max(max(map(max, work)), work[0][0] + parts["dense_layers"] / 3)
-    return {"stage_imbalance": busiest / mean, "compute_scale": busiest / mean / (1.0 - bubble)}
+    busiest = max(max(row) for row in work)
+    where = next([v, p] for v, row in enumerate(work) for p, w in enumerate(row) if w == busiest)
+    return {
+        "stage_imbalance": busiest / mean,
+        "compute_scale": busiest / mean / (1.0 - bubble),
+        "busiest_chunk": where,
+        "chunk_work": [[w / pieces["moe_layer"] for w in row] for row in work],
+    }
 
 
 def scale_replicas(w: Workload, factor: int) -> Workload:
