@@ -186,7 +186,9 @@ FP8_GEMM_CLASSES = {
 }
 
 
-def pipeline_piece_flops_per_token(m: ModelConfig, seq_len: int, loss_chunk: int) -> dict[str, float]:
+def pipeline_piece_flops_per_token(
+    m: ModelConfig, seq_len: int, loss_chunk: int, classes: tuple[str, ...] | None = None
+) -> dict[str, float]:
     """Executed training FLOPs per token of the pieces a pipeline places on its stages.
 
     dense_layer, moe_layer: one layer, plus what `model.remat` runs again in its backward
@@ -194,7 +196,8 @@ def pipeline_piece_flops_per_token(m: ModelConfig, seq_len: int, loss_chunk: int
     class). head: the output head with the loss; with loss_chunk > 0 the chunked loss's
     backward projects each vocabulary block again (maxmoe.training.loss: 4/3 of the head's
     training FLOPs). mtp: every MTP depth -- its [2D, D] projection, its MoE block (not
-    rematerialised) and the head again, as `head`.
+    rematerialised) and the head again, as `head`. classes: only the FLOPs of these GEMM
+    classes (flops_per_token_by_class's names; the head and MTP's projection are "head").
     """
     recomputed = RECOMPUTED_CLASSES.get(m.remat)
     if recomputed is None:
@@ -213,15 +216,21 @@ def pipeline_piece_flops_per_token(m: ModelConfig, seq_len: int, loss_chunk: int
         "routed_experts": expert * m.experts_per_token,
     }
 
-    def executed(classes):
-        return sum(f * (4.0 / 3.0 if name in recomputed else 1.0) for name, f in classes.items())
+    def counted(name):
+        return classes is None or name in classes
 
-    head = 6.0 * d * m.vocab_size * (4.0 / 3.0 if loss_chunk > 0 else 1.0)
+    def executed(flops, again):
+        return sum(
+            f * (4.0 / 3.0 if again and name in recomputed else 1.0) for name, f in flops.items() if counted(name)
+        )
+
+    head = 6.0 * d * m.vocab_size * (4.0 / 3.0 if loss_chunk > 0 else 1.0) if counted("head") else 0.0
+    projection = 6.0 * 2 * d * d if counted("head") else 0.0
     return {
-        "dense_layer": executed(dense),
-        "moe_layer": executed(moe),
+        "dense_layer": executed(dense, True),
+        "moe_layer": executed(moe, True),
         "head": head,
-        "mtp": m.mtp_num_layers * (6.0 * 2 * d * d + sum(moe.values()) + head),
+        "mtp": m.mtp_num_layers * (projection + executed(moe, False) + head),
     }
 
 

@@ -327,6 +327,25 @@ def test_pipeline_bubble_is_a_step_part():
     assert p.bound == "pipeline bubble" and p.step_s == pytest.approx(6.0)
 
 
+def test_h200_plan_in_fp8_weighs_its_fp8_gemms_at_the_fp8_peak():
+    """The same plan with model.fp8=blockwise on an H200 (FP8 peak 2 x bf16's): attention
+    projections, dense MLPs and experts run in FP8, the attention core, router, head and MTP's
+    projection in bf16. In bf16 GFLOP per token: a MoE layer (1.1226 + 2.3782) / 2 + 0.5033 +
+    0.0110 = 2.2647, x 4/3 = 3.0196; a dense layer 3.0050; the head 7.4134 as in bf16; MTP
+    0.6166 + 2.2647 + 7.4134 = 10.2947. Total 3 x 3.0050 + 58 x 3.0196 + 7.4134 + 10.2947 =
+    201.862 over 32: 6.3082. Stage 31 (MoE layer 57 and the head): 10.4331, 1.654 x the mean;
+    the head and MTP do not shrink with FP8, the layers do."""
+    config = load_config(
+        [ROOT / "configs/deepseek_v3_671b.yaml", ROOT / "configs/mesh_256_h200.yaml"],
+        ["run.cpu_devices=256", "model.fp8=blockwise"],
+    )
+    on_h200 = pipeline_report(config, "h200")
+    assert on_h200["busiest_chunk"] == [0, 31]
+    assert on_h200["stage_imbalance"] == pytest.approx(10.4331 / 6.3082, rel=2e-4)
+    assert on_h200["chunk_work"][0][0] == pytest.approx(10.2947 / 3.0196, rel=2e-4)
+    assert pipeline_report(config)["stage_imbalance"] == pytest.approx(12.767 / 10.812, rel=2e-4)  # FLOPs alone
+
+
 def test_dry_run_reports_the_chunks_of_its_slot_layout():
     # 1 dense + 4 MoE layers, 2 stages x 2 chunks, 1 empty slot in front: 2 slots per chunk,
     # chunk v*P + p holds slots 2c, 2c+1 of [empty, D0, L0, L1, L2, L3, empty, empty]:

@@ -44,8 +44,9 @@ per device:
               busiest branch. The planner uses the analytic count instead
               (stage_imbalance, compute_scale: maxmoe.analysis.planner.pipeline_compute_scale):
               each chunk's executed FLOPs (dense and MoE slots with model.remat's recompute,
-              the head with its loss, MTP), empty slots free, the end stages' extra work
-              only on those stages.
+              the head with its loss, MTP; on a system, the GEMM classes the recipe runs in
+              FP8 there at its FP8 peak), empty slots free, the end stages' extra work only
+              on those stages.
   prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
               GPU, MFU and bound (step_workload): model FLOPs for throughput, executed FLOPs
               (model.remat's recompute added) for time, each split into the GEMM classes the
@@ -167,15 +168,30 @@ def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
     return 2.0 * p * rows * m.hidden_size * width
 
 
-def pipeline_report(config: Config) -> dict | None:
+def pipeline_pieces(config: Config, system: str | None = None) -> dict[str, float]:
+    """What each piece of the stage plan costs a stage, in bf16 FLOPs per token: its executed
+    FLOPs (maxmoe.flops.pipeline_piece_flops_per_token), those of the GEMM classes the recipe
+    runs in FP8 on `system` scaled by its bf16 over FP8 peak (time is what a tick waits for)."""
+    m, t = config.model, config.train
+    pieces = pipeline_piece_flops_per_token(m, t.seq_len, t.loss_chunk)
+    fp8 = fp8_gemm_classes(m.fp8, planner.SYSTEMS[system].arch) if system else ()
+    if not fp8:
+        return pieces
+    s = planner.SYSTEMS[system]
+    saved = 1.0 - s.peak_tflops("bf16") / s.peak_tflops("fp8")
+    in_fp8 = pipeline_piece_flops_per_token(m, t.seq_len, t.loss_chunk, classes=fp8)
+    return {k: pieces[k] - saved * in_fp8[k] for k in pieces}
+
+
+def pipeline_report(config: Config, system: str | None = None) -> dict | None:
     """The pipeline schedule of a config: stages, chunks, slots, analytic bubble, items in flight,
-    and the planner's stage_imbalance and compute_scale."""
+    and the planner's stage_imbalance and compute_scale (on `system`: its FP8 GEMMs at its FP8 peak)."""
     slots = slot_layout(config)
     if slots is None:
         return None
     turnaround = 2 if config.model.mtp_num_layers else 1  # MTP: the tail on stage 0 (maxmoe.training.pipeline_step)
     schedule = build_schedule(slots.stages, slots.virtual, config.train.grad_accum, turnaround)
-    pieces = pipeline_piece_flops_per_token(config.model, config.train.seq_len, config.train.loss_chunk)
+    pieces = pipeline_pieces(config, system)
     dense, moe = (slots.dense_at() >= 0).sum(-1).tolist(), slots.mask().sum(-1).tolist()  # [V][P]
     return {
         "stages": slots.stages,
@@ -344,8 +360,9 @@ def step_workload(
         fp8_executed_flops_per_device=(model_fp8 + sum(again[k] for k in fp8)) * per_device,
         a2a_independent_chains=a2a_independent_chains,
     )
-    if pipeline is not None:
-        workload = dataclasses.replace(workload, bubble=pipeline["bubble"], stage_imbalance=pipeline["stage_imbalance"])
+    if pipeline is not None:  # the imbalance on this system (FP8 pieces run faster), whatever the stored one's
+        balance = pipeline_report(config, system)
+        workload = dataclasses.replace(workload, bubble=balance["bubble"], stage_imbalance=balance["stage_imbalance"])
     return workload
 
 
@@ -489,7 +506,7 @@ def dry_run_shape(
     t = shaped.train
     tokens = t.batch_size * t.seq_len
     flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
-    pipeline = pipeline_report(shaped)
+    pipeline = pipeline_report(shaped, system)
     prediction = None
     chains = a2a_independent_chains(shaped, devices) if ragged else False
     if system is not None:
