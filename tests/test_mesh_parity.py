@@ -4,6 +4,7 @@ The single-device run is the oracle. Each layout runs in this process on a subse
 8 fake CPU devices, with the same programs `python -m maxmoe.train` compiles.
 """
 
+import functools
 import math
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from conftest import job_env
 
 from maxmoe.config import load_config
 from maxmoe.parallel.layout import build_layout
+from maxmoe.training import step as step_lib
+from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +43,14 @@ def batches(config):
     ]
 
 
+@functools.cache
+def initial_state():
+    """Step 0 on the host: every layout starts from the same arrays (a sharded init's equality
+    to one device's is the full run's check, tests/test_train.py)."""
+    config = load_config([TINY], COMMON)
+    return jax.tree.map(np.asarray, step_lib.init_state(config, make_optimizer(config.train), jax.random.key(0)))
+
+
 def losses_on(shape, fsdp=False):
     data, expert, tensor = shape
     config = load_config(
@@ -49,7 +60,7 @@ def losses_on(shape, fsdp=False):
     )
     layout = build_layout(config, jax.devices()[: data * expert * tensor])
     programs = build_programs(config, layout)
-    state = programs.init(jax.random.key(0))
+    state = jax.device_put(initial_state(), programs.state_shardings)
     losses = []
     for batch in batches(config):
         state, metrics = programs.train_step(state, jax.device_put(batch, programs.batch_sharding))
