@@ -1,19 +1,18 @@
 """benchmarks/: the GPU suite's --cpu-smoke pipeline end to end, and the grouped matmul table."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import job_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _env(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "PYTHONPATH": str(REPO), "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    return job_env(PYTHON=sys.executable, OUT=str(tmp_path))  # the suite's compile flags, no device count
 
 
 def run_suite(tmp_path, *args, timeout):

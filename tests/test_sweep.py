@@ -2,12 +2,12 @@
 run on 8 fake CPU devices whose all-to-all bytes grow with the expert axis as (EP-1)/EP."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import job_env
 
 from maxmoe import sweep
 from maxmoe.analysis import dry_run
@@ -147,7 +147,7 @@ def test_dry_run_splits_collectives_by_pass_and_shows_recomputed_all_to_alls(dry
 @pytest.mark.slow
 def test_dry_run_all_to_all_bytes_follow_the_expert_axis(tmp_path):
     out = tmp_path / "sweep.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = job_env()  # the suite's compile flags; the sweep sets its own device count
     cmd = [
         sys.executable,
         "-m",
@@ -167,9 +167,7 @@ def test_dry_run_all_to_all_bytes_follow_the_expert_axis(tmp_path):
         str(out),
         "--no-progress",
     ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900
-    )
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     results = {r["mesh"]["expert"]: r for r in report["results"]}
