@@ -19,6 +19,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from maxmoe.xla_flags import FAST_CPU_COMPILE, as_flags, flag_name, jaxlib_version  # imports no jax
@@ -26,13 +27,13 @@ from maxmoe.xla_flags import FAST_CPU_COMPILE, as_flags, flag_name, jaxlib_versi
 ROOT = Path(__file__).resolve().parents[1]
 _DEVICE_COUNT = "xla_force_host_platform_device_count"
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if flag_name(f) != _DEVICE_COUNT]
-_OLD_EMITTERS = jaxlib_version() < (0, 11)
-_fast = dict(FAST_CPU_COMPILE, **({"xla_cpu_use_fusion_emitters": False} if _OLD_EMITTERS else {}))
+_EMITTERS = ["xla_cpu_use_fusion_emitters"] if jaxlib_version() < (0, 11) else []
+_fast = {**FAST_CPU_COMPILE, **dict.fromkeys(_EMITTERS, False)}
 _flags += [f for f in as_flags(_fast) if flag_name(f) not in {flag_name(g) for g in _flags}]
 # Compiler options for a program whose test bound was measured on the emitters users compile
 # with (a compiled memory size, a last-bit difference between two programs): `jax.jit(...,
 # compiler_options=DEFAULT_EMITTERS)`.
-DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if _OLD_EMITTERS else {}
+DEFAULT_EMITTERS = dict.fromkeys(_EMITTERS, True)
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--{_DEVICE_COUNT}=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "maxmoe-tests-jax-cache"))
@@ -43,6 +44,17 @@ def job_env(**extra: str) -> dict:
     """The environment of a maxmoe job a test starts as a subprocess: this checkout on the path,
     the suite's XLA flags without the device count (the job's run.cpu_devices decides it)."""
     return {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": " ".join(_flags), **extra}
+
+
+def host_init_state(config):
+    """A config's step-0 train state as host arrays (the model's init run op by op): the one start
+    that every layout of a parity test puts on its own shardings."""
+    import jax
+
+    from maxmoe.training.optim import make_optimizer
+    from maxmoe.training.step import init_state
+
+    return jax.tree.map(np.asarray, init_state(config, make_optimizer(config.train), jax.random.key(0)))
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import host_init_state
 
 from maxmoe.analysis.hlo import collective_ops, replica_groups
 from maxmoe.config import LATENT_GATHER, load_config
@@ -20,7 +21,6 @@ from maxmoe.model.rope import apply_rope
 from maxmoe.parallel import context
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training import step as step_lib
-from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
 
 TINY = "configs/tiny.yaml"
@@ -51,8 +51,7 @@ def _batches(config):
 @functools.cache
 def _initial_state():
     """Step 0 on the host: every layout starts from the same arrays."""
-    config = _config()
-    return jax.tree.map(np.asarray, step_lib.init_state(config, make_optimizer(config.train), jax.random.key(0)))
+    return host_init_state(_config())
 
 
 def _step_fn(config, layout, optimizer):

@@ -130,8 +130,7 @@ def loss_and_grads(config, layout):
     programs = build_programs(config, layout)
     state = programs.init(jax.random.key(0))
     batch = np.random.default_rng(3).integers(0, config.model.vocab_size, (8, 65)).astype(np.int32)
-    loss_fn = make_loss_fn(config, layout)
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=DEFAULT_EMITTERS)
+    grad_fn = jax.jit(jax.value_and_grad(make_loss_fn(config, layout), has_aux=True), compiler_options=DEFAULT_EMITTERS)
     (loss, _), grads = grad_fn(state.params, state.router, jax.device_put(batch, programs.batch_sharding))
     return float(loss), jax.tree.map(np.asarray, grads)
 

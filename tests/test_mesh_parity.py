@@ -13,12 +13,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import job_env
+from conftest import host_init_state, job_env
 
 from maxmoe.config import load_config
 from maxmoe.parallel.layout import build_layout
-from maxmoe.training import step as step_lib
-from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +45,7 @@ def batches(config):
 def initial_state():
     """Step 0 on the host: every layout starts from the same arrays (a sharded init's equality
     to one device's is the full run's check, tests/test_train.py)."""
-    config = load_config([TINY], COMMON)
-    return jax.tree.map(np.asarray, step_lib.init_state(config, make_optimizer(config.train), jax.random.key(0)))
+    return host_init_state(load_config([TINY], COMMON))
 
 
 def losses_on(shape, fsdp=False):
