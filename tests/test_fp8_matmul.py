@@ -330,3 +330,28 @@ def test_fp8_grouped_matmul_in_bfloat16_keeps_bfloat16(recipe):
 
     y, dx, dw = jax.eval_shape(forward_and_grads, x, w)
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16,) * 3
+
+
+@pytest.mark.parametrize("recipe", ["none", *RECIPES])
+def test_save_matmuls_keeps_the_fp8_gemms_outputs_as_it_keeps_dots(recipe):
+    """model.remat=save_matmuls on a two-GEMM MLP recomputes no GEMM in the backward pass: the
+    compiled dot FLOPs equal those without remat (the oracle) and are below full remat's. A bf16
+    dot is kept by the dot policy; an FP8 GEMM, hidden from it in a custom VJP (and under mxfp8
+    a platform switch), by its output's name."""
+    from maxmoe.analysis.hlo import dot_flops
+    from maxmoe.model.layers import project
+    from maxmoe.model.transformer import REMAT_POLICIES
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (64, 128), jnp.bfloat16)
+    w_in, w_out = (0.1 * jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys[1:], [(128, 256), (256, 128)]))
+
+    def mlp(x, w_in, w_out):
+        return jnp.sum(project(jax.nn.silu(project(x, w_in, recipe)), w_out, recipe).astype(jnp.float32) ** 2)
+
+    def flops(policy):
+        fn = mlp if policy is None else jax.checkpoint(mlp, policy=REMAT_POLICIES[policy])
+        return dot_flops(jax.jit(jax.value_and_grad(fn, argnums=(1, 2))).lower(x, w_in, w_out).compile().as_text())
+
+    plain = flops(None)
+    assert flops("save_matmuls") == plain < flops("full")

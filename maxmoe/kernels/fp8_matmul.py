@@ -199,18 +199,24 @@ def _mx_dot(a_MK, b_KN, out_dtype):
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
 
 
+FP8_DENSE_OUT = "fp8_dense_out"  # a dense FP8 GEMM's output (fp8_matmul)
+
+
 def fp8_matmul(x, w_KN, recipe: str, kernels: BlockwiseKernels | None = None):
     """x [..., K] @ w [K, N] with every GEMM of forward and backward in fp8 (`recipe` in RECIPES).
 
-    Returns [..., N] in x's dtype; the gradients come back in x's and w's dtypes. kernels
-    (`blockwise_kernels`): blockwise's three GEMMs through them, for a call on one device's shards.
+    Returns [..., N] in x's dtype, named FP8_DENSE_OUT for the remat policies (what
+    `dots_with_no_batch_dims_saveable` is to a bf16 dot: the GEMM hides in a custom VJP, and
+    under mxfp8 in a platform switch, where no dot policy sees it); the gradients come back in
+    x's and w's dtypes. kernels (`blockwise_kernels`): blockwise's three GEMMs through them, for
+    a call on one device's shards.
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; expected one of {RECIPES}")
     lead = x.shape[:-1]
     x, w_KN = vary_alike(x, w_KN)
     y_MN = _dense(x.reshape(-1, x.shape[-1]), w_KN, recipe, kernels if recipe == "blockwise" else None)
-    return y_MN.reshape(*lead, w_KN.shape[1])
+    return checkpoint_name(y_MN, FP8_DENSE_OUT).reshape(*lead, w_KN.shape[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

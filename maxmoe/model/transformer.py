@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import ModelConfig
+from maxmoe.kernels.fp8_matmul import FP8_DENSE_OUT
 from maxmoe.model.attention import MLA, attention_for_length
 from maxmoe.model.layers import Embed, RMSNorm, SwiGLU, constrain, logical_param
 from maxmoe.model.moe import MoE
@@ -31,9 +32,9 @@ ATTENTION_OUT = "attention_out"  # MLA output [B, T, D] before the residual add
 # the block input, which is always kept (n x D x b per layer: n tokens per device, b bytes).
 # Beyond it, per MoE layer and device (names: maxmoe.parallel.dispatch_shard):
 #   full            nothing: the whole layer runs again, both all-to-alls included
-#   save_matmuls    outputs of dots without batch dims (MLA, router, shared and dense MLPs);
-#                   ragged_dot and collectives are neither, so it recomputes the same
-#                   collectives as full
+#   save_matmuls    outputs of dots without batch dims (MLA, router, shared and dense MLPs;
+#                   under model.fp8 their FP8 GEMMs' outputs, FP8_DENSE_OUT); ragged_dot and
+#                   collectives are neither, so it recomputes the same collectives as full
 #   save_comm       every collective's output (COMM_NAMES): the receive buffer M x D x b
 #                   (the whole buffer, which moe.buffer_factor sizes), the returned copies
 #                   n x K x D x b and the counts; no collective runs again backward
@@ -41,14 +42,17 @@ ATTENTION_OUT = "attention_out"  # MLA output [B, T, D] before the residual add
 #   save_dots_comm  save_comm + the expert gate/up + save_matmuls' dots
 # docs/perf-log.md ("remat policies") has the bytes per policy for the shipped configs.
 _policies = jax.checkpoint_policies
+_save_dots = _policies.save_from_both_policies(
+    _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(FP8_DENSE_OUT)
+)
 COMM_SAVING_POLICIES = ("save_comm", "save_moe", "save_dots_comm")  # run no collective again backward
 REMAT_POLICIES = {
     "full": _policies.nothing_saveable,
-    "save_matmuls": _policies.dots_with_no_batch_dims_saveable,
+    "save_matmuls": _save_dots,
     "save_comm": _policies.save_only_these_names(*COMM_NAMES),
     "save_moe": _policies.save_only_these_names(*COMM_NAMES, *EXPERT_MATMUL_NAMES, ATTENTION_OUT),
     "save_dots_comm": _policies.save_from_both_policies(
-        _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(*COMM_NAMES, *EXPERT_MATMUL_NAMES)
+        _save_dots, _policies.save_only_these_names(*COMM_NAMES, *EXPERT_MATMUL_NAMES)
     ),
 }
 
