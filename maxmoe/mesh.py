@@ -118,6 +118,12 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
     domains = device_domains(devices, config.mesh.scale_up_domain)
     counts = sorted({domains.count(x) for x in set(domains)})
     sizes = split_replicas(config, resolve_shape(config, len(devices)), counts[0])
+    if config.mesh.gather_once and sizes[REPLICA_AXIS] == 1:
+        raise ConfigError(
+            "mesh.gather_once=true applies to the two-tier step, which these devices do not run: "
+            f"mesh.across_domains=zero1 found one replica (data x expert x tensor within one "
+            f"scale-up domain of {counts[0]} devices)"
+        )
     order = sorted(range(len(devices)), key=lambda i: (domains[i], devices[i].process_index, devices[i].id))
     ordered = [devices[i] for i in order]
     axes = mesh_axes(sizes)

@@ -7,9 +7,12 @@ the same config on one device; one compiled two-tier program serves every test:
 - params and Adam state on ZeRO-1 shardings (over replica too), batch rows over replica;
 - in the compiled program every collective crossing a domain runs once per step, while the
   in-domain ones run per micro-batch;
-- a checkpoint written under mode fsdp restores into zero1 and back with identical values.
+- a checkpoint written under mode fsdp restores into zero1 and back with identical values;
+- mesh.gather_once: the same losses, eval and gradients, and no weight but the experts'
+  gathered per layer and micro-batch (two MoE layers: each layer's gathers show).
 """
 
+import re
 from pathlib import Path
 
 import jax
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 
 from maxmoe.analysis.hlo import collective_ops
-from maxmoe.config import load_config
+from maxmoe.config import ConfigError, load_config
 from maxmoe.mesh import device_domains
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training.checkpoint import Checkpointer
@@ -84,6 +87,11 @@ def two_tier():
     return run(config_for(*DOMAINS, "mesh.across_domains=zero1"), jax.devices())
 
 
+@pytest.fixture(scope="module")
+def gathered_once():
+    return run(config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.gather_once=true"), jax.devices())
+
+
 @pytest.mark.slow
 def test_the_mesh_splits_data_into_replicas_across_domains(two_tier):
     layout = two_tier["layout"]
@@ -99,15 +107,49 @@ def test_losses_and_eval_match_one_device(one_device, two_tier):
     np.testing.assert_allclose(two_tier["eval"], one_device["eval"], rtol=1e-5)
 
 
-@pytest.mark.slow
-def test_gradients_match_one_device(one_device, two_tier):
-    reference = one_device["grads"]
+def assert_gradients_match(got, reference):
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(reference))
     # Sums over replicas and micro-batches in another order: absolute error relative to the
     # largest gradient (entries near zero have no meaningful relative error).
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale), two_tier["grads"], reference
-    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale), got, reference)
+
+
+@pytest.mark.slow
+def test_gradients_match_one_device(one_device, two_tier):
+    assert_gradients_match(two_tier["grads"], one_device["grads"])
+
+
+@pytest.mark.slow
+def test_gather_once_trains_like_one_device(one_device, gathered_once):
+    np.testing.assert_allclose(gathered_once["losses"], one_device["losses"], rtol=1e-5)
+    np.testing.assert_allclose(gathered_once["eval"], one_device["eval"], rtol=1e-5)
+    assert_gradients_match(gathered_once["grads"], one_device["grads"])
+
+
+def per_layer_gathers(*overrides) -> list[str]:
+    """jax op names of the all-gathers that run once per MoE layer and micro-batch in the two-tier
+    step of 2 MoE layers (compiled, not run)."""
+    config = config_for(*DOMAINS, "mesh.across_domains=zero1", "model.num_layers=3", *overrides)
+    programs = build_programs(config, build_layout(config))
+    text = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config)).lower().compile()
+    rows = collective_ops(text.as_text(), device_domains(jax.devices(), 4))
+    return [r["op_name"] for r in rows if r["kind"] == "all-gather" and r["runs"] == 2 * ACCUM]
+
+
+def test_gather_once_needs_more_than_one_domain():
+    config = config_for("mesh.data=4", "mesh.expert=2", "mesh.across_domains=zero1", "mesh.gather_once=true")
+    with pytest.raises(ConfigError, match="found one replica"):
+        build_layout(config)  # 8 devices in one scale-up domain: no replicas, no two-tier step
+
+
+@pytest.mark.slow
+def test_gather_once_gathers_only_experts_per_layer_and_micro_batch():
+    weights = re.compile(r"moe_layers/(attention|attn_norm|mlp_norm|moe/shared)/")
+    assert any(weights.search(name) for name in per_layer_gathers())  # FSDP: each use gathers
+    once = per_layer_gathers("mesh.gather_once=true")
+    assert once, "the layer loop's own gathers (the experts' dispatch) are there"
+    assert [name for name in once if weights.search(name)] == []
+    assert all("moe_layers/moe/" in name for name in once), once
 
 
 @pytest.mark.slow

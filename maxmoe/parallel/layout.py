@@ -191,6 +191,24 @@ class Layout:
             is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
         )
 
+    def whole_shardings(self, boxed_tree) -> Any:
+        """`tree_shardings` with every weight that is not an expert's whole over the batch's mesh
+        axes (its FSDP shards gathered; tensor and expert splits kept): mesh.gather_once's copy."""
+        batch_axes = axes_of(self.spec(("batch",))[0])
+
+        def one(spec, sharding):
+            if spec is not None and "expert" in tuple(spec):
+                return sharding
+            kept = [tuple(a for a in axes_of(entry) if a not in batch_axes) for entry in sharding.spec]
+            return NamedSharding(self.mesh, PartitionSpec(*(a if len(a) > 1 else a[0] if a else None for a in kept)))
+
+        return jax.tree.map(
+            one,
+            nn.get_partition_spec(boxed_tree),
+            self.tree_shardings(boxed_tree),
+            is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+        )
+
 
 def build_layout(
     config: Config,

@@ -208,14 +208,20 @@ def weight_copy(
 
     boxed_params: the weights' flax-boxed abstract tree. copy(master) -> the compute-dtype copy
     on the in-domain shardings (`replicas.compute_copy`, gathered over `axis`; norm scales and
-    the router's gate stay float32); zero1 / in_domain: the two trees of NamedShardings.
+    the router's gate stay float32); zero1 / in_domain: the two trees of NamedShardings (the
+    gradients' in-domain sums keep `in_domain`). Under mesh.gather_once (across domains) the
+    copy of every weight that is not an expert's is whole inside the domain
+    (`Layout.whole_shardings`): gathered here once per step, not per layer and micro-batch.
     """
     zero1, in_domain = layout.zero1_shardings(boxed_params, over), layout.tree_shardings(boxed_params)
     keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed_params))
     dtype = COMPUTE_DTYPES[config.model.compute_dtype]
+    gathered = in_domain
+    if config.mesh.gather_once and axis == replicas.REPLICA:
+        gathered = layout.whole_shardings(boxed_params)
 
     def copy(master):
-        return replicas.compute_copy(master, zero1, in_domain, keep, dtype, axis)
+        return replicas.compute_copy(master, zero1, gathered, keep, dtype, axis)
 
     return copy, zero1, in_domain
 
