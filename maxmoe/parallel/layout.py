@@ -192,8 +192,9 @@ class Layout:
         )
 
     def whole_shardings(self, boxed_tree) -> Any:
-        """`tree_shardings` with every weight that is not an expert's whole over the batch's mesh
-        axes (its FSDP shards gathered; tensor and expert splits kept): mesh.gather_once's copy."""
+        """`tree_shardings`, but every leaf without an `expert` logical axis whole over the mesh
+        axes the batch is split over (its FSDP shards gathered; a tensor split kept): the weights
+        mesh.gather_once gathers once per step. Experts' leaves keep `tree_shardings`."""
         batch_axes = axes_of(self.spec(("batch",))[0])
 
         def one(spec, sharding):
