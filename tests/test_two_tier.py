@@ -9,7 +9,7 @@ the same config on one device; one compiled two-tier program serves every test:
   in-domain ones run per micro-batch;
 - a checkpoint written under mode fsdp restores into zero1 and back with identical values;
 - mesh.gather_once: the same losses, eval and gradients, and no weight but the experts'
-  gathered per layer and micro-batch (two MoE layers: each layer's gathers show).
+  gathered per layer and micro-batch (which the plain two-tier program does).
 """
 
 import re
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, ACCUM, B1 = 3, 2, 0.9
 COMMON = [
     "model.compute_dtype=float32",
-    "model.num_layers=2",  # one dense layer, one MoE layer, one MTP depth: every kind of block, small compiles
+    "model.num_layers=3",  # one dense layer, two MoE layers (a layer loop), one MTP depth: every kind of block
     "data.source=synthetic",
     "train.batch_size=16",
     "train.seq_len=16",
@@ -126,13 +126,10 @@ def test_gather_once_trains_like_one_device(one_device, gathered_once):
     assert_gradients_match(gathered_once["grads"], one_device["grads"])
 
 
-def per_layer_gathers(*overrides) -> list[str]:
-    """jax op names of the all-gathers that run once per MoE layer and micro-batch in the two-tier
-    step of 2 MoE layers (compiled, not run)."""
-    config = config_for(*DOMAINS, "mesh.across_domains=zero1", "model.num_layers=3", *overrides)
-    programs = build_programs(config, build_layout(config))
-    text = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config)).lower().compile()
-    rows = collective_ops(text.as_text(), device_domains(jax.devices(), 4))
+def per_layer_gathers(result) -> list[str]:
+    """jax op names of the all-gathers in a run's step that run once per MoE layer and micro-batch."""
+    mesh = result["layout"].mesh
+    rows = collective_ops(result["compiled"].as_text(), device_domains(list(mesh.devices.flat), 4))
     return [r["op_name"] for r in rows if r["kind"] == "all-gather" and r["runs"] == 2 * ACCUM]
 
 
@@ -143,10 +140,10 @@ def test_gather_once_needs_more_than_one_domain():
 
 
 @pytest.mark.slow
-def test_gather_once_gathers_only_experts_per_layer_and_micro_batch():
+def test_gather_once_gathers_only_experts_per_layer_and_micro_batch(two_tier, gathered_once):
     weights = re.compile(r"moe_layers/(attention|attn_norm|mlp_norm|moe/shared)/")
-    assert any(weights.search(name) for name in per_layer_gathers())  # FSDP: each use gathers
-    once = per_layer_gathers("mesh.gather_once=true")
+    assert any(weights.search(name) for name in per_layer_gathers(two_tier))  # FSDP: each use gathers
+    once = per_layer_gathers(gathered_once)
     assert once, "the layer loop's own gathers (the experts' dispatch) are there"
     assert [name for name in once if weights.search(name)] == []
     assert all("moe_layers/moe/" in name for name in once), once
