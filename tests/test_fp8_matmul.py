@@ -9,10 +9,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from maxmoe.analysis.hlo import dot_flops
 from maxmoe.kernels import fp8_matmul as fp8_matmul_module
 from maxmoe.kernels.fp8_matmul import RECIPES, fp8_grouped_matmul, fp8_matmul
 from maxmoe.kernels.fp8_quant import E4M3, E5M2, quantize, segment_quantize
 from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN
+from maxmoe.model.layers import project
+from maxmoe.model.transformer import REMAT_POLICIES
 
 NP_DTYPES = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -338,10 +341,6 @@ def test_save_matmuls_keeps_the_fp8_gemms_outputs_as_it_keeps_dots(recipe):
     compiled dot FLOPs equal those without remat (the oracle) and are below full remat's. A bf16
     dot is kept by the dot policy; an FP8 GEMM, hidden from it in a custom VJP (and under mxfp8
     a platform switch), by its output's name."""
-    from maxmoe.analysis.hlo import dot_flops
-    from maxmoe.model.layers import project
-    from maxmoe.model.transformer import REMAT_POLICIES
-
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (64, 128), jnp.bfloat16)
     w_in, w_out = (0.1 * jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys[1:], [(128, 256), (256, 128)]))

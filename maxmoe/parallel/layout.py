@@ -28,6 +28,7 @@ from maxmoe.kernels.shard_context import axes_of, context_sharding
 from maxmoe.mesh import build_mesh, check_divisible, indivisible, logical_to_spec, resolve_rules, zero1_spec
 from maxmoe.parallel import context as context_parallel
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
+from maxmoe.parallel.replicas import without_axis
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -200,8 +201,7 @@ class Layout:
         def one(spec, sharding):
             if spec is not None and "expert" in tuple(spec):
                 return sharding
-            kept = [tuple(a for a in axes_of(entry) if a not in batch_axes) for entry in sharding.spec]
-            return NamedSharding(self.mesh, PartitionSpec(*(a if len(a) > 1 else a[0] if a else None for a in kept)))
+            return NamedSharding(self.mesh, without_axis(sharding.spec, *batch_axes))
 
         return jax.tree.map(
             one,

@@ -44,11 +44,11 @@ from maxmoe.kernels.shard_context import axes_of, context_sharding
 REPLICA = "replica"  # maxmoe.config.REPLICA_AXIS (parallel imports nothing of ours but parallel)
 
 
-def without_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    """`spec` with mesh axis `axis` removed from every dimension."""
+def without_axis(spec: PartitionSpec, *axis: str) -> PartitionSpec:
+    """`spec` with the mesh axes `axis` removed from every dimension."""
     out = []
     for entry in spec:
-        axes = tuple(a for a in axes_of(entry) if a != axis)
+        axes = tuple(a for a in axes_of(entry) if a not in axis)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
 
