@@ -12,6 +12,7 @@ the same config on one device; one compiled two-tier program serves every test:
   gathered per layer and micro-batch (which the plain two-tier program does).
 """
 
+import collections
 import re
 from pathlib import Path
 
@@ -121,16 +122,23 @@ def test_gradients_match_one_device(one_device, two_tier):
 
 @pytest.mark.slow
 def test_gather_once_trains_like_one_device(one_device, gathered_once):
+    # The bounds of the plain two-tier step's tests above: the whole copy only moves where the
+    # gathers happen, so the sums differ from one device's in order alone (float32, ~1e-6).
     np.testing.assert_allclose(gathered_once["losses"], one_device["losses"], rtol=1e-5)
     np.testing.assert_allclose(gathered_once["eval"], one_device["eval"], rtol=1e-5)
     assert_gradients_match(gathered_once["grads"], one_device["grads"])
 
 
-def per_layer_gathers(result) -> list[str]:
-    """jax op names of the all-gathers in a run's step that run once per MoE layer and micro-batch."""
+def per_layer_gathers(result) -> list[tuple[str, str, float]]:
+    """(jax op name, dtype, bytes per run) of the all-gathers in a run's step that run once per
+    MoE layer and micro-batch."""
     mesh = result["layout"].mesh
     rows = collective_ops(result["compiled"].as_text(), device_domains(list(mesh.devices.flat), 4))
-    return [r["op_name"] for r in rows if r["kind"] == "all-gather" and r["runs"] == 2 * ACCUM]
+    return sorted(
+        (r["op_name"], r["dtype"], r["bytes_per_run"])
+        for r in rows
+        if r["kind"] == "all-gather" and r["runs"] == 2 * ACCUM
+    )
 
 
 def test_gather_once_needs_more_than_one_domain():
@@ -142,11 +150,16 @@ def test_gather_once_needs_more_than_one_domain():
 @pytest.mark.slow
 def test_gather_once_gathers_only_experts_per_layer_and_micro_batch(two_tier, gathered_once):
     weights = re.compile(r"moe_layers/(attention|attn_norm|mlp_norm|moe/shared)/")
-    assert any(weights.search(name) for name in per_layer_gathers(two_tier))  # FSDP: each use gathers
+    plain = per_layer_gathers(two_tier)
+    named = [g for g in plain if weights.search(g[0])]
+    assert named  # FSDP: each use of a weight gathers it (jax 0.12 keeps the scope of fewer of them)
     once = per_layer_gathers(gathered_once)
     assert once, "the layer loop's own gathers (the experts' dispatch) are there"
-    assert [name for name in once if weights.search(name)] == []
-    assert all("moe_layers/moe/" in name for name in once), once
+    assert [g for g in once if weights.search(g[0])] == []
+    # The option only takes gathers away: what is left ran in the plain step too, and at most
+    # what is left once the named weights' gathers are gone (exactly that under jax 0.10).
+    assert not collections.Counter(once) - collections.Counter(plain), once
+    assert len(once) <= len(plain) - len(named), (len(once), len(plain), len(named))
 
 
 @pytest.mark.slow
