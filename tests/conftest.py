@@ -40,6 +40,39 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir(
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))  # bytes; least recently used go first
 
 
+# Test files by their CPU time in a full run, heaviest first (a clean clone, a cold compilation
+# cache, two idle cores). `--dist loadfile` gives a worker the next file in this order when it
+# runs dry (pyproject's `--no-loadscope-reorder` keeps the order), so the long files start first
+# and the short ones even out the workers' ends. The files not named follow in their own order.
+HEAVY_FIRST = (
+    "test_checkpoint.py",
+    "test_pipeline.py",
+    "test_mesh_parity.py",
+    "test_train.py",
+    "test_overlap.py",
+    "test_context.py",
+    "test_two_tier.py",
+    "test_gpu_sim.py",
+    "test_pipeline_bf16.py",
+    "test_first_run.py",
+    "test_fp8_training.py",
+    "test_fp8_dense.py",
+    "test_sweep.py",
+    "test_convert.py",
+    "test_benchmarks.py",
+    "test_lowering.py",
+    "test_reliability.py",
+    "test_kernels.py",
+    "test_notebook.py",
+    "test_dispatch.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def job_env(**extra: str) -> dict:
     """The environment of a maxmoe job a test starts as a subprocess: this checkout on the path,
     the suite's XLA flags without the device count (the job's run.cpu_devices decides it)."""

@@ -158,31 +158,59 @@ def test_missing_shards_folder_exits_2(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
-def test_mesh_run_matches_single_device_run(tmp_path):
-    common = ["model.compute_dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=1000"]
+# The job on one device: the oracle of the multi-process run below, and the run whose outputs
+# (config, flags, TensorBoard events, a profile) are checked.
+JOB = ["model.compute_dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=1000"]
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one")
     single = run_train(
-        f"run.dir={tmp_path / 'one'}", "run.cpu_devices=1", "mesh.data=1", "mesh.expert=1", "mesh.tensor=1", *common
-    )
-    assert single.returncode == 0, single.stderr[-3000:]
-    mesh = run_train(
-        f"run.dir={tmp_path / 'mesh'}",
-        "run.cpu_devices=8",
-        "mesh.data=2",
-        "mesh.expert=2",
-        "mesh.tensor=2",
+        f"run.dir={run_dir}",
+        "run.cpu_devices=1",
+        "mesh.data=1",
+        "mesh.expert=1",
+        "mesh.tensor=1",
         "run.tensorboard=true",
         "run.profile_steps=[1,2]",
-        *common,
+        *JOB,
     )
-    assert mesh.returncode == 0, mesh.stderr[-3000:]
-    assert list((tmp_path / "mesh" / "tensorboard").glob("events.out.tfevents.*"))
-    assert list((tmp_path / "mesh" / "profile").rglob("*.xplane.pb"))
-    assert (tmp_path / "mesh" / "config.yaml").exists() and (tmp_path / "mesh" / "xla_flags.txt").exists()
+    assert single.returncode == 0, single.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_run_writes_its_config_flags_events_and_profile(one_device_run):
+    assert list((one_device_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((one_device_run / "profile").rglob("*.xplane.pb"))
+    assert (one_device_run / "config.yaml").exists() and (one_device_run / "xla_flags.txt").exists()
     # the GPU memory share the process ran with (xla.memory_fraction's default) is recorded beside the flags
-    assert (tmp_path / "mesh" / "allocator.env").read_text() == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95\n"
-    one, _ = read_metrics(tmp_path / "one")
-    eight, _ = read_metrics(tmp_path / "mesh")
-    assert [x["step"] for x in one] == [x["step"] for x in eight] == [1, 2, 3]
+    assert (one_device_run / "allocator.env").read_text() == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95\n"
+
+
+@pytest.mark.slow
+def test_two_processes_on_a_mesh_match_one_device(one_device_run, tmp_path, free_port):
+    """2 processes x 4 CPU devices (gloo over loopback) on a 2 x 2 x 2 mesh, `data` across the
+    processes, against the job on one device."""
+    base = [f"run.dir={tmp_path}", "run.cpu_devices=4", "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", *JOB]
+    dist = ["dist.mode=explicit", f"dist.coordinator_address=127.0.0.1:{free_port}", "dist.num_processes=2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "maxmoe.train", "--config", TINY, *base, *dist, f"dist.process_id={i}"],
+            env=job_env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    one, _ = read_metrics(one_device_run)
+    mesh, _ = read_metrics(tmp_path)
+    assert [x["step"] for x in one] == [x["step"] for x in mesh] == [1, 2, 3]
     # 1e-4 relative, as required: the mesh reduces in another order than one device.
-    np.testing.assert_allclose([x["loss"] for x in eight], [x["loss"] for x in one], rtol=1e-4)
+    np.testing.assert_allclose([x["loss"] for x in mesh], [x["loss"] for x in one], rtol=1e-4)
