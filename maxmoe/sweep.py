@@ -50,12 +50,12 @@ from maxmoe.analysis.assumptions import Assumptions, assume
 from maxmoe.analysis.assumptions import table as assumption_table
 from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.analysis.planner import SYSTEMS
+from maxmoe.analysis.sweep_plan import format_predictions, rank, replan_main, with_mesh, write_winner
 from maxmoe.cli import check_output_file, config_from_args, main_guard, make_parser
 from maxmoe.config import MAX_CPU_DEVICES, SIZED_MESH_AXES, Config, ConfigError, UserError
 from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
 from maxmoe.parallel.layout import Layout, build_layout
-from maxmoe.sweep_plan import format_predictions, rank, replan_main, with_mesh, write_winner
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
