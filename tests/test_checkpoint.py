@@ -6,9 +6,9 @@ of a mesh is compiled once per session; a cached executable is the very program 
 compiled, so bitwise comparisons across processes stay meaningful.
 
 One straight 8-step run (checkpoints at 4 and 8) is the reference for everything else:
-- resume in a new process from step 4 (its step 8 folder removed) -> steps 5-8 bitwise equal;
 - SIGKILL while an async save is being written -> resume from the last complete step, bitwise equal;
-- SIGTERM -> exit 0 and a checkpoint; resume on data=2,expert=2,tensor=2;
+- resume in a new process from step 4 (a copy without its step 8 folder) -> bitwise equal steps;
+  SIGTERM -> exit 0 and a checkpoint; resume on data=2,expert=2,tensor=2;
 - a NaN in one embedding row used only by step 5's batch -> step 5 skipped, state unchanged;
 - NaN parameters from checkpoint.init_from -> stop after train.max_bad_steps, exit 1, one line;
 - resume=false over a run, a garbled latest step, a checkpoint of another model or of one with a
@@ -203,24 +203,11 @@ def straight(tmp_path_factory, env):
     ok(run(env, run_dir, "checkpoint.every=4"))
     assert complete_steps(run_dir) == [4, 8]
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    assert [data_position(run_dir, s) for s in (4, 8)] == [{"split": "train", "step": s} for s in (4, 8)]
     return run_dir
 
 
 # --------------------------------------------------------------------------- tests
-
-
-@pytest.mark.slow
-def test_resume_in_a_new_process_matches_the_straight_run(straight, env, tmp_path):
-    # Same train.steps (the LR schedule depends on it): the straight run stopped after its step 4 save.
-    run_dir = copy_run(straight, tmp_path / "run", keep_steps=[4])
-    out = ok(run(env, run_dir, "checkpoint.every=4"))
-    assert f"steps 4->{STEPS}" in out
-    assert losses(run_dir) == losses(straight)  # bitwise; steps 5-8 were logged again, once
-    for step in (4, 8):
-        assert data_position(run_dir, step) == data_position(straight, step) == {"split": "train", "step": step}
-    assert complete_steps(run_dir) == [4, 8]
-    saved = json.loads((run_dir / "checkpoints" / "8" / "config" / "metadata").read_text())
-    assert saved["train"]["steps"] == STEPS and saved["run"]["dir"] == str(run_dir)
 
 
 @pytest.mark.slow
@@ -275,6 +262,14 @@ def test_sigterm_saves_and_the_run_resumes_on_another_mesh(straight, env, tmp_pa
     assert f"maxmoe: SIGTERM: saved step {stopped} in {run_dir / 'checkpoints'}" in out
     assert complete_steps(run_dir)[-1] == stopped and not in_progress(run_dir)
     assert data_position(run_dir, stopped) == {"split": "train", "step": stopped}
+    # The resume in a new process, same mesh and train.steps (the LR schedule depends on it):
+    # steps 5 on are the straight run's, bitwise; the moved folder's checkpoint names where it is now.
+    assert f"steps 4->{STEPS}" in out
+    assert {s: x for s, x in losses(run_dir).items() if s > 4} == {
+        s: losses(straight)[s] for s in range(5, stopped + 1)
+    }
+    saved = json.loads((run_dir / "checkpoints" / str(stopped) / "config" / "metadata").read_text())
+    assert saved["train"]["steps"] == STEPS and saved["run"]["dir"] == str(run_dir)
 
     # Saved on data=8, restored straight into the shardings of data=2 x expert=2 x tensor=2.
     out = ok(run(env, run_dir, *MESH_2x2x2))

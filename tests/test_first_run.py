@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import job_env
+from conftest import MANY_STEPS, job_env
 
 from maxmoe import data
 from maxmoe.config import load_config
@@ -114,7 +114,7 @@ def test_tiny_run_keeps_every_moe_layer_in_use():
     config = load_config([TINY])
     optimizer = make_optimizer(config.train)
     state = init_state(config, optimizer, jax.random.key(config.train.seed))
-    step = jax.jit(make_train_step(config, optimizer))
+    step = jax.jit(make_train_step(config, optimizer), compiler_options=MANY_STEPS)
     batches = data.make_dataset(config)
     per_layer = []
     for _ in range(60):
