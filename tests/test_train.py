@@ -120,9 +120,9 @@ def test_learning_rate_schedules():
 
 @pytest.mark.slow
 def test_grad_accumulation_matches_one_batch():
-    overrides = ["model.compute_dtype=float32", "data.source=synthetic", "train.batch_size=8", "train.seq_len=16"]
-    one = load_config([TINY], overrides)
-    four = load_config([TINY], overrides + ["train.grad_accum=4"])
+    # The one-batch step is test_loss_falls_on_a_repeated_batch's program (compiled once a session).
+    one = load_config([TINY], SMALL + ["train.steps=40"])
+    four = load_config([TINY], SMALL + ["train.steps=40", "train.grad_accum=4"])
     optimizer = make_optimizer(one.train)
     state = init_state(one, optimizer, jax.random.key(1))
     batch = fixed_batch(one, seed=3)
