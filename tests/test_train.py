@@ -44,6 +44,9 @@ SMALL = [
     "train.seq_len=32",
     "train.warmup_steps=0",
 ]
+# test_loss_falls_on_a_repeated_batch's config; the grad-accumulation check's one-batch step is
+# the same program (compiled once a session).
+REPEATED = SMALL + ["train.steps=40"]
 
 
 def fixed_batch(config, seed=0):
@@ -67,7 +70,7 @@ def repeat_steps(config, optimizer, state, metric, steps=30):
 @pytest.mark.slow
 @pytest.mark.smoke
 def test_loss_falls_on_a_repeated_batch():
-    config = load_config([TINY], SMALL + ["train.steps=40"])
+    config = load_config([TINY], REPEATED)
     optimizer = make_optimizer(config.train)
     state = init_state(config, optimizer, jax.random.key(0))
     state, losses = repeat_steps(config, optimizer, state, "loss")
@@ -120,9 +123,8 @@ def test_learning_rate_schedules():
 
 @pytest.mark.slow
 def test_grad_accumulation_matches_one_batch():
-    # The one-batch step is test_loss_falls_on_a_repeated_batch's program (compiled once a session).
-    one = load_config([TINY], SMALL + ["train.steps=40"])
-    four = load_config([TINY], SMALL + ["train.steps=40", "train.grad_accum=4"])
+    one = load_config([TINY], REPEATED)
+    four = load_config([TINY], REPEATED + ["train.grad_accum=4"])
     optimizer = make_optimizer(one.train)
     state = init_state(one, optimizer, jax.random.key(1))
     batch = fixed_batch(one, seed=3)
