@@ -139,8 +139,8 @@ def fp8_kernel_contracts(monkeypatch) -> list:
 
     calls = []
 
-    def blockwise_grouped_gemm(aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, out_dtype=jnp.float32):
-        calls.append("blockwise_grouped_gemm")
+    def blockwise_grouped_gemm(aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, out_dtype=jnp.float32, name=""):
+        calls.append("blockwise_grouped_gemm")  # `name`: the kernel's, dense or grouped (one function)
         m, k = aq_MK.shape
         g, n, _ = bq_GNK.shape
         rows = jnp.arange(m)

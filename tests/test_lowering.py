@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxmoe.analysis.hlo import STABLEHLO_COLLECTIVES, count_collectives
 from maxmoe.analysis.hlo_deps import independent_chains, marker_dependencies
-from maxmoe.analysis.lowering import lower_train_step, moe_layer_lowered_text
+from maxmoe.analysis.lowering import GROUPED_GEMM_MARKERS, lower_train_step, moe_layer_lowered_text
 from maxmoe.config import load_config
 from maxmoe.parallel.layout import build_layout
 
@@ -138,9 +138,9 @@ def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot(fp8):
 # batch_split: the two halves' exchanges and expert GEMMs form two independent chains.
 
 
-def moe_layer_text(overlap):
+def moe_layer_text(overlap, *extra):
     """One MoE layer of tiny, forward and backward (the cotangent an input), lowered for CUDA."""
-    return moe_layer_lowered_text(load_config([TINY], SMALL + [f"moe.overlap={overlap}"]), jax.devices()[:8])
+    return moe_layer_lowered_text(load_config([TINY], SMALL + [f"moe.overlap={overlap}", *extra]), jax.devices()[:8])
 
 
 def two_chains_text(coupled):
@@ -184,3 +184,14 @@ def test_batch_split_lowers_two_independent_dispatch_chains(overlap, num_chains)
     chains, coupled = independent_chains(markers)
     assert sorted(len(c) for c in chains) == [6] * num_chains
     assert not coupled  # no half's all-to-all waits on the other half's expert GEMMs
+
+
+@pytest.mark.parametrize("overlap, num_chains", [("none", 1), ("batch_split", 2)])
+def test_blockwise_fp8_experts_lower_the_same_chains(overlap, num_chains):
+    """Under blockwise FP8 with FP8 dispatch the experts' GEMMs are maxmoe's Triton kernels
+    (where Triton lowers here; else XLA's per-block ragged dots) and the shared expert's
+    projections the same kernel under another name, which is no expert GEMM: the planner's
+    markers find one chain per dispatch half, the shared expert none of its own."""
+    text = moe_layer_text(overlap, "model.compute_dtype=bfloat16", "model.fp8=blockwise", "moe.fp8_dispatch=true")
+    chains, coupled = independent_chains(marker_dependencies(text, GROUPED_GEMM_MARKERS))
+    assert len(chains) == num_chains and not coupled

@@ -15,6 +15,7 @@ import jax
 
 from maxmoe.analysis.hlo import collective_spans, count_collectives
 from maxmoe.config import Config
+from maxmoe.kernels.fp8_grouped import GEMM_NAME, WGRAD_NAME
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training.programs import build_programs
 
@@ -83,8 +84,10 @@ def a2a_independent_chains(config: Config, devices: list) -> bool:
 
 
 # The dependence markers of a CUDA-lowered MoE layer: its ragged all-to-alls and its grouped GEMMs,
-# XLA's ragged_dot or a GPU kernel backend's custom call (maxmoe.kernels.grouped_matmul).
+# XLA's ragged_dot, a GPU kernel backend's custom call (maxmoe.kernels.grouped_matmul) or, under
+# model.fp8=blockwise, maxmoe's Triton FP8 grouped kernels (a Triton custom call named by the kernel).
+_TRITON_GROUPED = rf'custom_call @__gpu\$xla\.gpu\.triton\(.*\bname = "(?:{GEMM_NAME}|{WGRAD_NAME})"'
 GROUPED_GEMM_MARKERS = {
     "ragged_all_to_all": r"@ragged_all_to_all\b",
-    "ragged_dot": r"(\bchlo\.ragged_dot\b|custom_call @mosaic_gpu\w*)",
+    "ragged_dot": rf"(\bchlo\.ragged_dot\b|custom_call @mosaic_gpu\w*|{_TRITON_GROUPED})",
 }

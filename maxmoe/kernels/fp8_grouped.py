@@ -46,6 +46,10 @@ BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 4  # (128 x 128 + 128 x 128) fp8 per stage: 128 KiB of shared memory at 4
+# The kernels' names in the lowered program (a Triton custom call's `name`): what
+# maxmoe.analysis.lowering finds the experts' grouped GEMMs by. A dense projection's GEMM (one
+# group, maxmoe.kernels.fp8_dense) runs the same kernel under its own name.
+GEMM_NAME, WGRAD_NAME, DENSE_GEMM_NAME = "fp8_blockwise_grouped_gemm", "fp8_grouped_wgrad", "fp8_blockwise_gemm"
 
 
 def _pallas():
@@ -125,11 +129,12 @@ def _call(kernel, name, grid, inputs, out_shape, out_dtype, interpret):
 
 
 def blockwise_grouped_gemm(
-    aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, *, out_dtype=jnp.float32, interpret=False
+    aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G, *, out_dtype=jnp.float32, interpret=False, name=GEMM_NAME
 ):
     """Row m of aq times bq[group of m]^T with DeepSeek-V3's block scales, in out_dtype.
 
     aq_MK / bq_GNK: float8 values; a_scale_MC [M, K/128] and b_scale_GCN [G, K/128, N]: float32.
+    name: the kernel's name in the program (GEMM_NAME; DENSE_GEMM_NAME for one group's projection).
     """
     m, k = aq_MK.shape
     g, n, _ = bq_GNK.shape
@@ -138,7 +143,7 @@ def blockwise_grouped_gemm(
     schedule = tile_schedule(group_sizes_G, m)
     out = _call(
         functools.partial(_kernel, block_m=BLOCK_M, block_n=BLOCK_N, blocks=k // TILE),
-        "fp8_blockwise_grouped_gemm",
+        name,
         (schedule.shape[0], -(-n // BLOCK_N)),
         (schedule, aq_MK, a_scale_MC.T, bq_GNK, b_scale_GCN),
         (m, n),
@@ -186,7 +191,7 @@ def fp8_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G, *, interpret=False):
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     return _call(
         functools.partial(_wgrad_kernel, block_d=BLOCK_M, block_f=BLOCK_N),
-        "fp8_grouped_wgrad",
+        WGRAD_NAME,
         (g, -(-d // BLOCK_M), -(-f // BLOCK_N)),
         (offsets, xq_DM, dyq_FM),
         (g, d, f),

@@ -51,6 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.kernels.attention import triton_lowers_here
 from maxmoe.kernels.fp8_grouped import (
+    DENSE_GEMM_NAME,
     balanced_blockwise_gemm,
     balanced_grouped_wgrad,
     blockwise_grouped_gemm,
@@ -76,6 +77,7 @@ class BlockwiseKernels(NamedTuple):
 
     gemm: Callable  # blockwise_grouped_gemm
     wgrad: Callable  # fp8_grouped_wgrad
+    dense: Callable | None = None  # a dense projection's GEMM (one group); None: `gemm`
 
 
 # Per recipe and GEMM: (lhs dtype, lhs block, rhs dtype, rhs block); the lhs contraction is its
@@ -133,7 +135,8 @@ def _kernel_gemm(aq_MK, a_rows_MB, bq_KN, b_cols_BN, kernels: BlockwiseKernels):
     pad = a_rows_MB.shape[1] * TILE - aq_MK.shape[1]
     aq_MK = jnp.pad(aq_MK, ((0, 0), (0, pad)))
     bq_1NK = jnp.pad(bq_KN, ((0, pad), (0, 0))).T[None]
-    return kernels.gemm(aq_MK, a_rows_MB, bq_1NK, b_cols_BN[None], jnp.full((1,), aq_MK.shape[0], jnp.int32))
+    gemm = kernels.dense or kernels.gemm
+    return gemm(aq_MK, a_rows_MB, bq_1NK, b_cols_BN[None], jnp.full((1,), aq_MK.shape[0], jnp.int32))
 
 
 def blockwise_dot_quantized(a_MK, bq_KN, b_scale, kernels: BlockwiseKernels):
@@ -255,7 +258,8 @@ def blockwise_kernels(backend: str) -> BlockwiseKernels | None:
     if backend == BALANCED_STAND_IN:
         return BlockwiseKernels(balanced_blockwise_gemm, balanced_grouped_wgrad)
     if backend in KERNEL_BACKENDS and not triton_lowers_here():
-        return BlockwiseKernels(blockwise_grouped_gemm, fp8_grouped_wgrad)
+        dense = functools.partial(blockwise_grouped_gemm, name=DENSE_GEMM_NAME)
+        return BlockwiseKernels(blockwise_grouped_gemm, fp8_grouped_wgrad, dense)
     return None
 
 
