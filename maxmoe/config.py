@@ -239,6 +239,12 @@ class MeshConfig:
         "gathered whole inside the domain once per step (no per-layer gathers in the micro-batch loop; "
         "more memory); gradients still reduce-scatter to the in-domain shards",
     )
+    reduce_per_layer: bool = _field(
+        False,
+        doc="under across_domains=zero1: the cross-domain gradient reduce-scatter of each layer-stack weight "
+        "runs inside the last micro-batch's backward pass, layer by layer as its gradient is complete (under "
+        "the remaining layers' compute), not after the micro-batch loop; the bytes are the same",
+    )
     rules: dict = _field(
         DEFAULT_RULES,
         doc="logical axis -> list of mesh axes ('fsdp' = data when mesh.fsdp); rules not given keep their defaults",
@@ -703,11 +709,12 @@ def validate(config: Config) -> None:
             raise ConfigError(f"mesh.{axis}={size}: must be a positive size or -1 (fill)")
     if sum(getattr(mesh, a) == -1 for a in SIZED_MESH_AXES) > 1:
         raise ConfigError("only one of mesh.data, mesh.expert, mesh.tensor may be -1")
-    if mesh.gather_once and mesh.across_domains != "zero1":
-        raise ConfigError(
-            "mesh.gather_once=true applies to the two-tier step: set mesh.across_domains=zero1 "
-            f"(got {mesh.across_domains})"
-        )
+    for option in ("gather_once", "reduce_per_layer"):
+        if getattr(mesh, option) and mesh.across_domains != "zero1":
+            raise ConfigError(
+                f"mesh.{option}=true applies to the two-tier step: set mesh.across_domains=zero1 "
+                f"(got {mesh.across_domains})"
+            )
     for logical, axes in mesh.rules.items():
         if logical not in DEFAULT_RULES:
             raise _unknown(f"mesh.rules.{logical}", [f"mesh.rules.{k}" for k in DEFAULT_RULES])

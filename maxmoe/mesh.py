@@ -118,12 +118,13 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
     domains = device_domains(devices, config.mesh.scale_up_domain)
     counts = sorted({domains.count(x) for x in set(domains)})
     sizes = split_replicas(config, resolve_shape(config, len(devices)), counts[0])
-    if config.mesh.gather_once and sizes[REPLICA_AXIS] == 1:
-        raise ConfigError(
-            "mesh.gather_once=true applies to the two-tier step, which these devices do not run: "
-            f"mesh.across_domains=zero1 found one replica (data x expert x tensor within one "
-            f"scale-up domain of {counts[0]} devices)"
-        )
+    for option in ("gather_once", "reduce_per_layer"):
+        if getattr(config.mesh, option) and sizes[REPLICA_AXIS] == 1:
+            raise ConfigError(
+                f"mesh.{option}=true applies to the two-tier step, which these devices do not run: "
+                f"mesh.across_domains=zero1 found one replica (data x expert x tensor within one "
+                f"scale-up domain of {counts[0]} devices)"
+            )
     order = sorted(range(len(devices)), key=lambda i: (domains[i], devices[i].process_index, devices[i].id))
     ordered = [devices[i] for i in order]
     axes = mesh_axes(sizes)
@@ -160,7 +161,11 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
 
 
 def zero1_spec(
-    spec: PartitionSpec, shape: Sequence[int], mesh_shape: dict[str, int], over: Sequence[str] | None = None
+    spec: PartitionSpec,
+    shape: Sequence[int],
+    mesh_shape: dict[str, int],
+    over: Sequence[str] | None = None,
+    keep_whole: Sequence[int] = (),
 ) -> PartitionSpec:
     """Where master weights and optimizer state live under ZeRO-1: the compute `spec` sharded further.
 
@@ -172,7 +177,8 @@ def zero1_spec(
     reduce-scatter over it alone (a major factor would need an all-to-all). With pipeline
     stages the parameters outside the layer stack, which every stage computes with, add
     `pipeline` (maxmoe.training.programs). An axis no dimension fits leaves the leaf
-    replicated over it.
+    replicated over it. `keep_whole`: dimensions the added axes do not split (a layer stack's
+    `layers` under mesh.reduce_per_layer: each layer's gradient reduce-scatters on its own).
     """
     entries = [axes_of(e) for e in tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))]
     if over is None:
@@ -180,6 +186,8 @@ def zero1_spec(
         over = [a for a in MESH_AXES if a != REPLICA_AXIS and a not in used] + [REPLICA_AXIS]
     for axis in (a for a in over if mesh_shape.get(a, 1) > 1):
         for dim, axes in enumerate(entries):
+            if dim in keep_whole:
+                continue
             if shape[dim] % (math.prod(mesh_shape[a] for a in axes) * mesh_shape[axis]) == 0:
                 entries[dim] = (*axes, axis)
                 break

@@ -99,6 +99,7 @@ CONFIG_CASES = {
     "vocab over context": (["mesh.context=2", "mesh.rules.vocab=[context]"], "only seq and expert may use the context"),
     "experts not dividing context x expert": (["mesh.context=16"], "num_experts=8 is not divisible by mesh.context"),
     "weights gathered once without the two-tier step": (["mesh.gather_once=true"], "set mesh.across_domains=zero1"),
+    "per-layer reduction without the two-tier step": (["mesh.reduce_per_layer=true"], "set mesh.across_domains=zero1"),
 }
 
 

@@ -189,6 +189,39 @@ def test_bound_names_hidden_traffic_that_outlasts_compute():
     assert p.exposed_fraction == pytest.approx(2.0 / 5.0)
 
 
+def test_last_micro_batch_traffic_must_fit_under_that_micro_batch():
+    # mesh.reduce_per_layer: 3 s of compute, the backward's 2 s over 4 micro-batches; the
+    # per-layer cross-domain reduce-scatters run beside the last one's 0.5 s of backward only.
+    a = dataclasses.replace(
+        IDEAL, overlap=tuple((("scale_out", k, "loop"), 1.0) for k in ("all-gather", "reduce-scatter"))
+    )
+    flops = {"flops_per_device": 1.5e15}
+    last = Collective("reduce-scatter", "scale_out", 40 * GB, 10, 4, "loop", "backward", window=0.25)
+    assert predict(dataclasses.replace(workload(last), **flops), SYSTEM, a).step_s == pytest.approx(3.0)  # 0.4 s fits
+    last = dataclasses.replace(last, bytes=80 * GB)  # 0.8 s beside 0.5 s: 0.3 s more
+    p = predict(dataclasses.replace(workload(last), **flops), SYSTEM, a)
+    assert p.step_s == pytest.approx(3.3)
+    assert p.critical["cross-domain traffic"] == pytest.approx(0.8) and p.critical["compute"] == pytest.approx(2.5)
+    # Spread over the whole backward the same 0.8 s would fit under 2 s.
+    whole = dataclasses.replace(last, window=1.0)
+    assert predict(dataclasses.replace(workload(whole), **flops), SYSTEM, a).step_s == pytest.approx(3.0)
+    # The fabric's whole-pass traffic takes its share of the last window: a 0.8 s gather spread
+    # over the backward puts 0.2 s there, beside 0.4 s of the last one's: 0.6 s in 0.5 s.
+    last = dataclasses.replace(last, bytes=40 * GB)
+    gather = Collective("all-gather", "scale_out", 80 * GB, 10, 4, "loop", "backward")
+    assert predict(dataclasses.replace(workload(last, gather), **flops), SYSTEM, a).step_s == pytest.approx(3.1)
+    # From the dry run's rows: the ZeRO-1 reduction's scope inside a loop marks the last micro-batch.
+    rs = {**row("reduce-scatter", GB, runs=2, cross=True), "op_name": "jit(train_step)/moe/reduce_to_zero1/x"}
+    w = workload_from_ops(
+        [rs, {**rs, "in_loop": False}, row("all-gather", GB, cross=True)], 1e15, 1, 8, micro_batches=4
+    )
+    assert sorted((c.kind, c.phase, c.window) for c in w.collectives) == [
+        ("all-gather", "loop", 1.0),
+        ("reduce-scatter", "loop", 0.25),
+        ("reduce-scatter", "step", 1.0),
+    ]
+
+
 def test_stage_imbalance_is_reported_apart_from_the_bubble():
     # 2 s of work; bubble 0.2 -> timeline 2.5 s; busiest chunk 1.5 x the mean -> 3.75 s.
     p = predict(workload(bubble=0.2, stage_imbalance=1.5), SYSTEM, IDEAL)

@@ -9,20 +9,26 @@ the same config on one device; one compiled two-tier program serves every test:
   in-domain ones run per micro-batch;
 - a checkpoint written under mode fsdp restores into zero1 and back with identical values;
 - mesh.gather_once: the same losses, eval and gradients, and no weight but the experts'
-  gathered per layer and micro-batch (which the plain two-tier program does).
+  gathered per layer and micro-batch (which the plain two-tier program does);
+- mesh.reduce_per_layer: the same losses, eval and gradients; every layer-stack weight's
+  cross-domain reduce-scatter inside the backward layer loop (once per layer), the same bytes
+  across domains as the plain step, and ZeRO-1 shards that keep `layers` whole.
 """
 
 import collections
 import re
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from maxmoe.analysis.hlo import collective_ops
 from maxmoe.config import ConfigError, load_config
 from maxmoe.mesh import device_domains
+from maxmoe.model.transformer import abstract_variables, uses_float32
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training.checkpoint import Checkpointer
 from maxmoe.training.programs import build_programs
@@ -93,6 +99,11 @@ def gathered_once():
     return run(config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.gather_once=true"), jax.devices())
 
 
+@pytest.fixture(scope="module")
+def per_layer():
+    return run(config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.reduce_per_layer=true"), jax.devices())
+
+
 @pytest.mark.slow
 def test_the_mesh_splits_data_into_replicas_across_domains(two_tier):
     layout = two_tier["layout"]
@@ -141,9 +152,10 @@ def per_layer_gathers(result) -> list[tuple[str, str, float]]:
     )
 
 
-def test_gather_once_needs_more_than_one_domain():
-    config = config_for("mesh.data=4", "mesh.expert=2", "mesh.across_domains=zero1", "mesh.gather_once=true")
-    with pytest.raises(ConfigError, match="found one replica"):
+@pytest.mark.parametrize("option", ["gather_once", "reduce_per_layer"])
+def test_two_tier_options_need_more_than_one_domain(option):
+    config = config_for("mesh.data=4", "mesh.expert=2", "mesh.across_domains=zero1", f"mesh.{option}=true")
+    with pytest.raises(ConfigError, match=f"mesh.{option}=true .* found one replica"):
         build_layout(config)  # 8 devices in one scale-up domain: no replicas, no two-tier step
 
 
@@ -215,3 +227,63 @@ def test_checkpoints_move_between_fsdp_and_zero1(one_device, two_tier, tmp_path)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, back), expected)
     for array, sharding in zip(jax.tree.leaves(back), jax.tree.leaves(fsdp.state_shardings)):
         assert array.sharding.is_equivalent_to(sharding, array.ndim)
+
+
+@pytest.mark.slow
+def test_reduce_per_layer_trains_like_one_device(one_device, per_layer):
+    # The plain step's bounds: the same sums, reduced across domains per layer instead of per leaf.
+    np.testing.assert_allclose(per_layer["losses"], one_device["losses"], rtol=1e-5)
+    np.testing.assert_allclose(per_layer["eval"], one_device["eval"], rtol=1e-5)
+    assert_gradients_match(per_layer["grads"], one_device["grads"])
+
+
+def cross_domain_rows(result) -> list[dict]:
+    mesh = result["layout"].mesh
+    rows = collective_ops(result["compiled"].as_text(), device_domains(list(mesh.devices.flat), 4))
+    return [r for r in rows if r["cross_domain"]]
+
+
+def reduction_bytes(rows) -> float:
+    """Bytes of the ZeRO-1 reduction as reduce-scatters move them (XLA:CPU's all-reduce: half)."""
+    zero1 = [r for r in rows if "reduce_to_zero1" in r["op_name"]]
+    return sum(r["bytes"] / (2 if r["kind"] == "all-reduce" else 1) for r in zero1)
+
+
+@pytest.mark.slow
+def test_reduce_per_layer_reduces_each_layer_inside_the_backward_loop(two_tier, per_layer):
+    params = nn.unbox(abstract_variables(config_for().model, boxed=True)["params"])
+    stacks = collections.Counter(
+        path[0] for path in traverse_util.flatten_dict(params) if path[0].endswith("_layers") and not uses_float32(path)
+    )
+    cross = cross_domain_rows(per_layer)
+    in_loop = [r for r in cross if r["kind"] == "reduce-scatter" and "reduce_to_zero1" in r["op_name"]]
+    # One reduce-scatter per weight of each stack (the float32 norm scales and router gate are
+    # reduced after the loop with the weights outside the stacks), run once per layer.
+    for stack, layers in (("dense_layers", 1), ("moe_layers", 2)):
+        rows = [r for r in in_loop if f"/{stack}/" in r["op_name"]]
+        assert len(rows) == stacks[stack] and {r["runs"] for r in rows} == {layers}, (stack, rows)
+        assert all("transpose(" in r["op_name"] and "/while/" in r["op_name"] for r in rows)
+    # The same bytes cross domains: the reduction (moved, not added) and the once-per-step gathers.
+    plain = cross_domain_rows(two_tier)
+    assert reduction_bytes(cross) == pytest.approx(reduction_bytes(plain), rel=1e-3)
+    gathers = [(r["op_name"], r["bytes"]) for r in plain if r["kind"] == "all-gather"]
+    assert sorted((r["op_name"], r["bytes"]) for r in cross if r["kind"] == "all-gather") == sorted(gathers)
+    # ZeRO-1 keeps every stack's `layers` whole, and still shards each weight over `replica`.
+    for path, sharding in traverse_util.flatten_dict(per_layer["programs"].state_shardings.params).items():
+        if path[0].endswith("_layers"):
+            assert sharding.spec[0] is None and "replica" in jax.tree.leaves(tuple(sharding.spec)), (path, sharding)
+
+
+@pytest.mark.slow
+def test_reduce_per_layer_lowers_for_cuda():
+    """The GPU program (lowered for CUDA, the kernels auto picks): one reduce-scatter per
+    layer-stack weight, in the stacks' backward loops (the plain two-tier step has none: its
+    cross-domain reduction is XLA's, after the loop)."""
+    from maxmoe.analysis.lowering import lower_train_step
+
+    shapes = ["model.compute_dtype=bfloat16", "model.hidden_size=128", "model.moe_mlp_dim=64"]
+    config = config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.reduce_per_layer=true", *shapes)
+    params = nn.unbox(abstract_variables(config.model, boxed=True)["params"])
+    hooked = [p for p in traverse_util.flatten_dict(params) if p[0].endswith("_layers") and not uses_float32(p)]
+    text = lower_train_step(config, "cuda").as_text()
+    assert len(re.findall(r"stablehlo\.reduce_scatter", text)) == len(hooked)

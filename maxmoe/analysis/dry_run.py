@@ -318,7 +318,11 @@ def combine_thresholds(system: str | None) -> dict[str, int]:
     return out
 
 
-PLANNER_ROW_KEYS = ("kind", "runs", "bytes", "bytes_per_run", "peers", "cross_domain", "pass", "computation", "in_loop")
+# op_name: the planner reads jax scopes from it (context parallelism's latent gathers, the ZeRO-1
+# reduction inside a loop), on --replan too.
+PLANNER_ROW_KEYS = (
+    "kind", "runs", "bytes", "bytes_per_run", "peers", "cross_domain", "pass", "computation", "in_loop", "op_name"
+)  # fmt: skip
 
 
 def step_workload(
@@ -347,6 +351,7 @@ def step_workload(
         memory_bytes=memory_bytes,
         optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], devices),
         combine_bytes=combine_thresholds(system),
+        micro_batches=t.grad_accum,
     )
     arch = planner.SYSTEMS[system].arch if system else "hopper"
     fp8 = fp8_gemm_classes(config.model.fp8, arch)

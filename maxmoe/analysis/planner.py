@@ -37,8 +37,12 @@ xla.profile). The model, per device and per step; every constant is a field of
   hidden      checked per pass: what is called hidden in the forward (backward) pass must fit
               under that pass's compute -- per layer, as each loop-phase collective runs once
               per layer and micro-batch beside that layer's compute; the forward pass holds a
-              third of the model FLOPs, the backward the rest and the recompute. The excess of
-              the busier fabric over a pass's compute extends the step, charged to its labels.
+              third of the model FLOPs, the backward the rest and the recompute. A class that runs
+              in the last micro-batch only (mesh.reduce_per_layer's per-layer cross-domain
+              reduce-scatters, jax scope `reduce_to_zero1` inside a loop: `window` = 1 /
+              micro-batches) must also fit, with its fabric's other traffic there, under that
+              window's compute. The largest excess of a fabric over the compute beside it, in the
+              whole pass or its last window, extends the step, charged to its labels.
   step        t = timeline + excess + exposed + t_optimizer (optimizer bytes through HBM).
   outputs     tokens/s, TFLOP/s per GPU (model FLOPs / t), MFU, exposed_fraction (the step's
               non-compute share) and the bound: the term on the critical path that takes
@@ -75,10 +79,13 @@ class Collective:
     peers: int = 2  # largest group
     phase: str = "loop"  # "loop": inside a loop; "step": once per step outside every loop
     pass_: str = "backward"  # forward, backward or other (the optimizer update)
+    window: float = 1.0  # the share of its pass it runs beside: 1 / micro-batches for the last one's only
 
     def __post_init__(self):
         if self.tier not in TIERS or self.kind not in KINDS or self.phase not in PHASES or self.pass_ not in PASSES:
             raise ValueError(f"bad collective {self}")
+        if not 0 < self.window <= 1:
+            raise ValueError(f"bad collective window {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,26 +181,27 @@ def predict(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -
     executed = w.executed[0]
     forward_share = w.flops_per_device / 3.0 / executed if executed else 0.0
     beside = {"forward": timeline * forward_share, "backward": timeline * (1 - forward_share), "other": 0.0}
-    hidden = {(p, tier): 0.0 for p in PASSES for tier in TIERS}
-    hidden_by_label: dict[tuple, float] = {}
+    hidden: list[tuple[str, str, str, float, float]] = []  # (pass, tier, label, window, seconds)
     for c in w.collectives:
         t, share = collective_seconds(c, system, a), _overlap(c, w, a)
-        hidden[(c.pass_, c.tier)] += share * t
-        key = (c.pass_, _label(c))
-        hidden_by_label[key] = hidden_by_label.get(key, 0.0) + share * t
+        hidden.append((c.pass_, c.tier, _label(c), c.window, share * t))
         contributions[_label(c)] = contributions.get(_label(c), 0.0) + (1 - share) * t
     critical = dict(contributions)
-    for p in PASSES:  # a fabric whose hidden traffic outlasts the pass's compute extends the step
-        tier = max(TIERS, key=lambda k: hidden[(p, k)])
-        excess = hidden[(p, tier)] - beside[p]
+    for p in PASSES:  # a fabric whose hidden traffic outlasts the compute beside it extends the step
+        candidates = [
+            (*_excess(hidden, p, tier, v, beside[p]), v)
+            for tier in TIERS
+            for v in {1.0} | {h[3] for h in hidden if h[:2] == (p, tier)}
+        ]
+        excess, loads, v = max(candidates, key=lambda c: c[0])
         if excess <= 0:
             continue
-        for (q, label), t in hidden_by_label.items():
-            if q == p and (label == "cross-domain traffic") == (tier == "scale_out") and t > 0:
-                contributions[label] += excess * t / hidden[(p, tier)]
-                # On the critical path the traffic holds the pass's whole time, compute none of it.
-                critical[label] += (excess + beside[p]) * t / hidden[(p, tier)]
-        critical["compute"] -= beside[p] * t_compute / timeline if timeline else 0.0
+        total = sum(loads.values())
+        for label, t in loads.items():
+            contributions[label] += excess * t / total
+            # On the critical path the traffic holds the window's whole time, compute none of it.
+            critical[label] += (excess + beside[p] * v) * t / total
+        critical["compute"] -= beside[p] * v * t_compute / timeline if timeline else 0.0
     contributions["memory"] = critical["memory"] = w.optimizer_bytes / (system.hbm_tb_s * 1e12)
     step = sum(contributions.values())
     fits = w.memory_bytes <= system.hbm_gb * GB
@@ -212,6 +220,20 @@ def predict(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -
         contributions=contributions,
         critical=critical,
     )
+
+
+def _excess(hidden: list, pass_: str, tier: str, window: float, beside: float) -> tuple[float, dict]:
+    """(excess seconds, {label: hidden seconds}) of one fabric in the last `window` of a pass.
+
+    Hidden traffic of a collective class with window v spreads over the last v of its pass (v = 1:
+    all of it; the last micro-batch's: 1 / micro-batches), so the last `window` of the pass
+    holds min(1, window / v) of it, beside `window` of the pass's compute.
+    """
+    loads: dict[str, float] = {}
+    for p, t, label, v, seconds in hidden:
+        if p == pass_ and t == tier:
+            loads[label] = loads.get(label, 0.0) + seconds * min(1.0, window / v)
+    return (sum(loads.values()) - beside * window, loads)
 
 
 def pipeline_compute_scale(pieces: dict, dense_per_chunk, moe_per_chunk, bubble: float) -> dict:
@@ -307,6 +329,7 @@ def workload_from_ops(
     memory_bytes: float = 0.0,
     optimizer_bytes: float = 0.0,
     combine_bytes: dict | None = None,
+    micro_batches: int = 1,
 ) -> Workload:
     """A Workload from maxmoe.analysis.hlo.collective_ops rows (as the GPU moves them: maxmoe.analysis.dry_run.as_on_gpu).
 
@@ -317,6 +340,8 @@ def workload_from_ops(
     `combine_bytes` that share computation, pass, tier and group size pack into
     `combine_bins` of their result bytes, once per run.
     "dependent" = the latent gathers of context parallelism (their jax scope names them).
+    Rows of the ZeRO-1 reduction (scope `reduce_to_zero1`) inside a loop run in the last of
+    `micro_batches` only (mesh.reduce_per_layer): their class's window is 1 / micro_batches.
     """
     combine_bytes = combine_bytes or {}
     classes: dict[tuple, list] = {}
@@ -325,7 +350,8 @@ def workload_from_ops(
         tier = "scale_out" if r["cross_domain"] else "scale_up"
         looped = r.get("in_loop", r["runs"] > 1)
         phase = "dependent" if LATENT_GATHER in r.get("op_name", "") else "loop" if looped else "step"
-        key = (tier, r["kind"], phase, r.get("pass", "backward"))
+        window = 1.0 / micro_batches if looped and "reduce_to_zero1" in r.get("op_name", "") else 1.0
+        key = (tier, r["kind"], phase, r.get("pass", "backward"), window)
         total = classes.setdefault(key, [0.0, 0, 2])
         total[0] += r["bytes"]
         total[2] = max(total[2], r["peers"])
@@ -337,8 +363,8 @@ def workload_from_ops(
     for (key, _, _, runs), sizes in merged.items():
         classes[key][1] += combine_bins(sizes, combine_bytes[key[1]]) * runs
     collectives = tuple(
-        Collective(kind, tier, size, launches, peers, phase, pass_)
-        for (tier, kind, phase, pass_), (size, launches, peers) in sorted(classes.items())
+        Collective(kind, tier, size, launches, peers, phase, pass_, window)
+        for (tier, kind, phase, pass_, window), (size, launches, peers) in sorted(classes.items())
     )
     return Workload(flops_per_device, tokens_per_step, devices, collectives, memory_bytes, optimizer_bytes)
 
@@ -363,7 +389,10 @@ def report(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS, sc
         "flops_per_device": w.flops_per_device,
         "executed_flops_per_device": w.executed[0],
         "fp8_executed_flops_per_device": w.executed[1],
-        "launches": {f"{c.tier}/{c.kind}/{c.phase}/{c.pass_}": c.launches for c in w.collectives},
+        "launches": {
+            f"{c.tier}/{c.kind}/{c.phase}/{c.pass_}" + ("/last" if c.window < 1 else ""): c.launches
+            for c in w.collectives
+        },
         f"retention_at_{w.devices * scale}_devices": retention(w, larger, system, a),
         "tflops_per_gpu_at_scale": predict(larger, system, a).tflops_per_gpu,
     }

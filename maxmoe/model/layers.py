@@ -17,6 +17,12 @@ import jax.numpy as jnp
 
 from maxmoe.kernels.fp8_matmul import fp8_matmul
 
+# Variable collections a training step may pass beside `params` (one entry per layer in a scanned
+# stack): a parameter with an entry in LAYER_GRAD goes through the layout's `layer_grad_hook`,
+# which sends this layer's gradient of it, plus its LAYER_GRAD_ADD entry, to the LAYER_GRAD
+# entry's gradient (maxmoe.parallel.replicas.LayerGrads: the two-tier step's per-layer reduction).
+LAYER_GRAD, LAYER_GRAD_ADD = "layer_grad", "layer_grad_add"
+
 
 def logical_param(
     module: nn.Module,
@@ -28,7 +34,12 @@ def logical_param(
 ) -> jax.Array:
     """A float32 parameter whose dimensions carry logical axis names (for the sharding rules)."""
     init = init or nn.initializers.normal(stddev=std)
-    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), jnp.float32)
+    w = module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), jnp.float32)
+    hook = getattr(getattr(module, "layout", None), "layer_grad_hook", None)
+    if hook is not None and module.has_variable(LAYER_GRAD, name):
+        into, add = module.get_variable(LAYER_GRAD, name), module.get_variable(LAYER_GRAD_ADD, name)
+        w = hook(module.path + (name,), w, into, add)
+    return w
 
 
 def constrain(layout: Any, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

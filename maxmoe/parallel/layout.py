@@ -52,6 +52,8 @@ class Layout:
     platform: str = "cpu"
     grouped_matmul: Any = None
     attention: Any = None
+    layer_grads: bool = False  # mesh.reduce_per_layer: ZeRO-1 keeps `layers` dimensions whole
+    layer_grad_hook: Any = None  # the two-tier step's last micro-batch: maxmoe.parallel.replicas.LayerGrads
 
     @property
     def shape(self) -> dict[str, int]:
@@ -165,13 +167,22 @@ class Layout:
         return NamedSharding(self.mesh, PartitionSpec(rows or None, None))
 
     def zero1_shardings(self, boxed_tree, over: Sequence[str] | None = None) -> Any:
-        """ZeRO-1 NamedShardings (`zero1_spec`, adding the axes `over`) for a tree of flax-boxed variables."""
+        """ZeRO-1 NamedShardings (`zero1_spec`, adding the axes `over`) for a tree of flax-boxed variables.
+
+        With `layer_grads` (mesh.reduce_per_layer) the added axes split no `layers` dimension."""
         logical = nn.get_partition_spec(boxed_tree)
         shapes = nn.unbox(boxed_tree)
+
+        def keep_whole(spec) -> tuple[int, ...]:
+            names = tuple(spec) if spec is not None else ()
+            return tuple(i for i, name in enumerate(names) if name == "layers") if self.layer_grads else ()
+
         return jax.tree.map(
             lambda spec, leaf: NamedSharding(
                 self.mesh,
-                zero1_spec(self.spec(tuple(spec) if spec is not None else ()), leaf.shape, self.shape, over),
+                zero1_spec(
+                    self.spec(tuple(spec) if spec is not None else ()), leaf.shape, self.shape, over, keep_whole(spec)
+                ),
             ),
             logical,
             shapes,
@@ -248,4 +259,5 @@ def build_layout(
                 name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in EXPERT_WEIGHT_AXES.items()
             },
         )
-    return Layout(mesh, rules, plan, kernels.platform, kernels.grouped_matmul, attention)
+    layer_grads = config.mesh.reduce_per_layer
+    return Layout(mesh, rules, plan, kernels.platform, kernels.grouped_matmul, attention, layer_grads)

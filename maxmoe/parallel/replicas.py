@@ -15,6 +15,13 @@ scale-up domains) outside the in-domain axes (data, expert, tensor). One step:
                                        reduce-scatter over `replica`
     then the optimizer updates the ZeRO-1 shards elementwise.
 
+Under mesh.reduce_per_layer the reduce-scatter of the layer stacks' weights moves into the
+last micro-batch's backward pass (`make_accumulate_layer_grads`): there the model's
+`layer_grad_hook` (`LayerGrads`) sends each layer's gradient, plus the earlier micro-batches'
+f32 sum, across domains as soon as that layer's backward is done, one reduce-scatter per
+weight and layer, beside the layers still to run; the same bytes, no longer after the loop.
+It is the one place inside the per-replica region that names `replica`.
+
 Why a shard_map: under plain GSPMD the gradient of a weight replicated over `replica`,
 taken on a batch sharded over it, is a sum over the whole batch, so XLA reduces it across
 domains inside the loop, once per micro-batch. A manual axis keeps per-replica partial
@@ -32,14 +39,18 @@ axes manual (maxmoe.kernels.shard_context); jax refuses the concrete mesh there.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxmoe.kernels.shard_context import axes_of, context_sharding
+from maxmoe.kernels.shard_context import axes_of, context_sharding, shard_map_in_context
 
 REPLICA = "replica"  # maxmoe.config.REPLICA_AXIS (parallel imports nothing of ours but parallel)
 
@@ -136,6 +147,200 @@ def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -
         return jax.tree.map(lambda x: x[None], (loss, aux, grads))
 
     return over_replicas(per_replica, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGrad:
+    """Where one layer-stack weight's ZeRO-1 shard lies, seen from one layer's slice.
+
+    dim: the slice's dimension that `replica` splits (its ZeRO-1 entry: in-domain axes, then
+    `replica` as the minor factor); ways: the in-domain shards of that dimension; spec: the
+    slice's ZeRO-1 sharding without `replica` (in-domain); split: the same with `dim` written
+    as three, (ways, R, rest).
+    """
+
+    dim: int
+    ways: int
+    spec: PartitionSpec
+    split: PartitionSpec
+
+
+def plan_layer_grads(zero1: Any, logical: Any, keep_f32: Any, mesh_shape: dict[str, int]) -> dict[tuple, LayerGrad]:
+    """{param path: LayerGrad} of the layer-stack weights whose gradient can reduce-scatter per layer.
+
+    zero1: NamedShardings; logical: the logical PartitionSpecs (a stack's first name is
+    `layers`); keep_f32: the leaves the model uses in float32 (norm scales, the router's gate:
+    small, reduced after the loop with the rest). A leaf qualifies when `replica` splits one of
+    its dimensions other than `layers` (Layout.zero1_shardings under mesh.reduce_per_layer).
+    """
+    flat_z, flat_l, flat_k = (traverse_util.flatten_dict(t) for t in (zero1, logical, keep_f32))
+    plan = {}
+    for path, sharding in flat_z.items():
+        names = tuple(flat_l[path]) if flat_l[path] is not None else ()
+        if not names or names[0] != "layers" or flat_k[path]:
+            continue
+        entries = [axes_of(e) for e in sharding.spec]
+        dims = [i for i, axes in enumerate(entries) if REPLICA in axes]
+        if not dims or dims[0] == 0 or entries[dims[0]][-1] != REPLICA:
+            continue
+        d = dims[0]
+        inner = entries[d][:-1]
+        per_layer = [without_axis(PartitionSpec(e), REPLICA)[0] if e else None for e in entries[1:]]
+        split = (*per_layer[: d - 1], inner or None, None, None, *per_layer[d:])
+        ways = math.prod(mesh_shape[a] for a in inner)
+        plan[path] = LayerGrad(d - 1, ways, PartitionSpec(*per_layer), PartitionSpec(*split))
+    return plan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerGrads:
+    """The model's `layer_grad_hook` (maxmoe.model.layers.logical_param) in the last micro-batch.
+
+    hook(path, w, into, add) returns w; backward, one layer's gradient of w plus `add` (the
+    float32 sum of the earlier micro-batches, in-domain) is reduce-scattered over `replica`
+    into `into`'s gradient: this replica's ZeRO-1 rows of the layer, in the order
+    `assemble_layer_grads` puts back. It runs inside the backward layer loop, so each layer's
+    cross-domain reduction overlaps the layers still to run (jax scope `reduce_to_zero1`).
+    """
+
+    plan: dict
+    mesh: Any
+    replicas: int
+
+    def __call__(self, path: tuple, w, into, add):
+        g = self.plan[path]
+        r = self.replicas
+        share = into.shape
+
+        @jax.custom_vjp
+        def hook(w, into, add):
+            return w
+
+        def forward(w, into, add):
+            return w, add
+
+        def backward(add, ct):
+            with jax.named_scope("reduce_to_zero1"):
+                # The in-domain reduction first, in the cotangent's dtype, as a reduce-scatter onto
+                # ZeRO-1's in-domain shards (the plain step reduces each micro-batch's so).
+                # `add` (in-domain sums) sliced to the same shards: no traffic.
+                ct, add = (jax.lax.with_sharding_constraint(x, context_sharding(self.mesh, g.spec)) for x in (ct, add))
+                total = ct.astype(jnp.float32) + add
+                shape = total.shape
+                split = (*shape[: g.dim], g.ways, r, shape[g.dim] // (g.ways * r), *shape[g.dim + 1 :])
+                # Manual over the in-domain axes too: on a partly auto operand XLA's partitioner would
+                # gather the in-domain shards first and reduce the whole layer across domains.
+                x = shard_map_in_context(
+                    functools.partial(jax.lax.psum_scatter, axis_name=REPLICA, scatter_dimension=g.dim + 1, tiled=True),
+                    mesh=self.mesh,
+                    in_specs=(g.split,),
+                    out_specs=g.split,
+                    check_vma=False,
+                )(total.reshape(split))
+                return None, x.reshape(share), None
+
+        hook.defvjp(forward, backward)
+        return hook(w, into, add)
+
+
+def layer_grad_shape(shape: tuple, g: LayerGrad, replicas: int) -> tuple:
+    """A stacked leaf's per-replica share: the rows `LayerGrads` reduce-scatters into (dim g.dim + 1)."""
+    d = g.dim + 1
+    return (*shape[:d], shape[d] // replicas, *shape[d + 1 :])
+
+
+def assemble_layer_grads(layer: dict, plan: dict, zero1: dict, scale: float) -> dict:
+    """{path: [L, ..., ways, R, rest, ...]} reduce-scattered shares -> scale x the gradients on ZeRO-1.
+
+    Replica r's share holds, for each in-domain block i of the split dimension, block i's r-th
+    R-th; the per-replica region returns it as [.., ways, 1, rest, ..] with `replica` on the 1,
+    so the global array's order is (i, r, rest): ZeRO-1's (in-domain major, `replica` minor).
+    Merging the three dimensions moves nothing.
+    """
+    out = {}
+    for path, x in layer.items():
+        d = plan[path].dim + 1  # the split dimension of the stacked leaf
+        x = x.reshape(*x.shape[:d], x.shape[d] * x.shape[d + 1] * x.shape[d + 2], *x.shape[d + 3 :])
+        out[path] = jax.lax.with_sharding_constraint(x * scale, zero1[path])
+    return out
+
+
+def make_accumulate_layer_grads(
+    grad_fn: Callable, last_grad_fn: Callable, plan: dict, accum: int, mesh, in_domain_specs: Any
+) -> Callable:
+    """accumulate(compute, extra, batch) -> (loss_R, aux_R, grads_R, layer) under mesh.reduce_per_layer.
+
+    As make_accumulate for the first accum - 1 micro-batches; the last runs
+    last_grad_fn(params, extra, micro_batch, into, add) -> (loss, aux),
+    differentiated w.r.t. the weights not in `plan` and `into` (zeros shaped as each planned
+    leaf's share, `layer_grad_shape`), with `add` the earlier micro-batches' sums of the
+    planned leaves. grads_R: flat {path: [R, ...]} float32 sums of the other leaves; layer:
+    {path: [L, ..., ways, R, rest, ...]} the planned ones reduce-scattered (summed over
+    replicas already; `assemble_layer_grads` merges the split dimension back). The shard_map is
+    over_replicas' but for `layer`'s out_specs.
+    """
+    flat_specs = traverse_util.flatten_dict(in_domain_specs)
+
+    def on_domain(flat):
+        return {p: jax.lax.with_sharding_constraint(x, context_sharding(mesh, flat_specs[p])) for p, x in flat.items()}
+
+    def per_replica(compute, extra, batch):
+        micro = micro_batches(batch, accum)
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(grad_fn, compute, extra, first)
+        (loss, aux), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
+        grads = on_domain(traverse_util.flatten_dict(grads))
+
+        def body(carry, mb):
+            loss, aux, grads = carry
+            (loss_m, aux_m), grads_m = grad_fn(compute, extra, mb)
+            grads_m = traverse_util.flatten_dict(grads_m)
+            grads = on_domain({p: acc + grads_m[p].astype(acc.dtype) for p, acc in grads.items()})
+            return (loss + loss_m, jax.tree.map(jnp.add, aux, aux_m), grads), None
+
+        last = jax.tree.map(lambda x: x[-1], micro)
+        if accum > 1:
+            earlier = jax.tree.map(lambda x: x[:-1], micro)
+            (loss, aux, grads), _ = jax.lax.scan(body, (loss, aux, grads), earlier)
+        flat = traverse_util.flatten_dict(compute)
+        held = {p: x for p, x in flat.items() if p in plan}
+        free = {p: x for p, x in flat.items() if p not in plan}
+        into = {p: jnp.zeros(layer_grad_shape(x.shape, plan[p], _replicas()), jnp.float32) for p, x in held.items()}
+        add = {p: grads[p] for p in held}
+
+        def loss_of(free, into):
+            params = traverse_util.unflatten_dict({**free, **held})
+            unflat = traverse_util.unflatten_dict
+            return last_grad_fn(params, extra, last, unflat(into), unflat(add))
+
+        (loss_m, aux_m), (g_free, g_into) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(free, into)
+        free_sums = on_domain({p: grads[p] + g.astype(grads[p].dtype) for p, g in g_free.items()})
+        out = (loss + loss_m, jax.tree.map(jnp.add, aux, aux_m), free_sums)
+        return (*jax.tree.map(lambda x: x[None], out), {p: _split(x, plan[p]) for p, x in g_into.items()})
+
+    def run(compute, extra, batch):
+        layer_specs = {p: PartitionSpec(*(None,) * (g.dim + 2), REPLICA) for p, g in plan.items()}
+        return jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(REPLICA)),
+            out_specs=(PartitionSpec(REPLICA),) * 3 + (layer_specs,),
+            axis_names={REPLICA},
+            check_vma=False,
+        )(compute, extra, batch)
+
+    return run
+
+
+def _split(share, g: LayerGrad):
+    """A stacked share [L, ..., ways x rest, ...] as [L, ..., ways, 1, rest, ...] (the 1: `replica`)."""
+    d = g.dim + 1
+    return share.reshape(*share.shape[:d], g.ways, 1, share.shape[d] // g.ways, *share.shape[d + 1 :])
+
+
+def _replicas() -> int:
+    """Size of the manual `replica` axis, inside the per-replica shard_map."""
+    return jax.lax.axis_size(REPLICA)
 
 
 def reduce_to_zero1(grads_R: Any, zero1: Any, scale: float, axis: str = REPLICA) -> Any:

@@ -14,6 +14,7 @@ A step whose loss, gradient norm or parameter update is not finite leaves the st
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ import optax
 from flax import traverse_util
 
 from maxmoe.config import Config
+from maxmoe.model.layers import LAYER_GRAD, LAYER_GRAD_ADD
 from maxmoe.model.transformer import (
     COMPUTE_DTYPES,
     abstract_variables,
@@ -107,10 +109,11 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
     output_loss = make_output_loss(config, layout)
     hidden_only = config.train.loss_chunk > 0
 
-    def loss_fn(params, router, batch_BT):
+    def loss_fn(params, router, batch_BT, more=None):
+        """more: further variable collections (maxmoe.model.layers.LAYER_GRAD and LAYER_GRAD_ADD)."""
         tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
         (main, mtp), variables = model.apply(
-            {"params": params, "router": router}, tokens, hidden_only=hidden_only, mutable=["moe_stats"]
+            {"params": params, "router": router, **(more or {})}, tokens, hidden_only=hidden_only, mutable=["moe_stats"]
         )
         return output_loss(params["head"], main, mtp, targets, variables["moe_stats"])
 
@@ -236,14 +239,47 @@ def _two_tier_grads(config: Config, layout: Any) -> Callable:
     cotangent, as when the model casts a float32 weight itself; only the sum over a
     weight's uses in one micro-batch (the embedding: main and MTP) is taken in that dtype.
     """
-    copy, zero1, in_domain = weight_copy(config, layout, abstract_variables(config.model, boxed=True)["params"])
+    boxed = abstract_variables(config.model, boxed=True)["params"]
+    copy, zero1, in_domain = weight_copy(config, layout, boxed)
     grad_fn = jax.value_and_grad(make_loss_fn(config, layout), has_aux=True)
     accum, r = config.train.grad_accum, layout.replicas
-    accumulate = replicas.make_accumulate(grad_fn, accum, layout.mesh, jax.tree.map(lambda s: s.spec, in_domain))
+    in_domain_specs = jax.tree.map(lambda s: s.spec, in_domain)
+    if config.mesh.reduce_per_layer:
+        return _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, grad_fn, in_domain_specs)
+    accumulate = replicas.make_accumulate(grad_fn, accum, layout.mesh, in_domain_specs)
 
     def grads_fn(params, router, batch_BT):
         loss_R, aux_R, grads_R = accumulate(copy(params), router, batch_BT)
         grads = replicas.reduce_to_zero1(grads_R, zero1, 1.0 / (accum * r))
+        aux = mean_stats(jax.tree.map(lambda v: v.sum(0), aux_R), accum * r)
+        return loss_R.sum(0) / (accum * r), aux, grads
+
+    return grads_fn
+
+
+def _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, grad_fn, in_domain_specs) -> Callable:
+    """_two_tier_grads under mesh.reduce_per_layer: the layer stacks' weights reduce-scatter across
+    domains inside the last micro-batch's backward pass, one layer at a time
+    (maxmoe.parallel.replicas.LayerGrads); the other weights after the loop, as before."""
+    accum, r = config.train.grad_accum, layout.replicas
+    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
+    plan = replicas.plan_layer_grads(zero1, nn.get_partition_spec(boxed), keep, layout.shape)
+    hooked = dataclasses.replace(layout, layer_grad_hook=replicas.LayerGrads(plan, layout.mesh, r))
+    last_loss = make_loss_fn(config, hooked)
+
+    def last_grad_fn(params, router, batch_BT, into, add):
+        return last_loss(params, router, batch_BT, {LAYER_GRAD: into, LAYER_GRAD_ADD: add})
+
+    accumulate = replicas.make_accumulate_layer_grads(grad_fn, last_grad_fn, plan, accum, layout.mesh, in_domain_specs)
+    flat_zero1 = traverse_util.flatten_dict(zero1)
+
+    def grads_fn(params, router, batch_BT):
+        loss_R, aux_R, grads_R, layer = accumulate(copy(params), router, batch_BT)
+        scale = 1.0 / (accum * r)
+        others = replicas.reduce_to_zero1(grads_R, {p: flat_zero1[p] for p in grads_R}, scale)
+        grads = traverse_util.unflatten_dict(
+            {**others, **replicas.assemble_layer_grads(layer, plan, flat_zero1, scale)}
+        )
         aux = mean_stats(jax.tree.map(lambda v: v.sum(0), aux_R), accum * r)
         return loss_R.sum(0) / (accum * r), aux, grads
 
