@@ -117,6 +117,36 @@ def over_replicas(per_replica: Callable, mesh) -> Callable:
     )
 
 
+def _on_domain(mesh, in_domain_specs: Any) -> Callable:
+    """tree -> the tree constrained to `in_domain_specs` (on the context mesh)."""
+
+    def constrain(tree):
+        return jax.tree.map(
+            lambda x, s: jax.lax.with_sharding_constraint(x, context_sharding(mesh, s)), tree, in_domain_specs
+        )
+
+    return constrain
+
+
+def _sum_micro_batches(grad_fn: Callable, compute, extra, micro, count: int, on_domain: Callable) -> tuple:
+    """(loss, aux, grads) summed over the first `count` of the micro-batches `micro` (a scan; zeros
+    for 0), gradients in float32 (`_sum_dtype`) on the in-domain shardings."""
+    shapes = jax.eval_shape(grad_fn, compute, extra, jax.tree.map(lambda x: x[0], micro))
+    (loss, aux), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
+
+    def body(carry, mb):
+        loss, aux, grads = carry
+        (loss_m, aux_m), grads_m = grad_fn(compute, extra, mb)
+        grads = on_domain(jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads, grads_m))
+        return (loss + loss_m, jax.tree.map(jnp.add, aux, aux_m), grads), None
+
+    carry = (loss, aux, on_domain(grads))
+    if count:
+        whole = count == jax.tree.leaves(micro)[0].shape[0]
+        carry, _ = jax.lax.scan(body, carry, micro if whole else jax.tree.map(lambda x: x[:count], micro))
+    return carry
+
+
 def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -> Callable:
     """accumulate(compute, extra, batch) -> (loss_R, aux_R, grads_R): each replica's sums over its micro-batches.
 
@@ -126,25 +156,10 @@ def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -
     gradients are float32 sums constrained to `in_domain_specs` on every micro-batch.
     """
 
-    def on_domain(tree):
-        return jax.tree.map(
-            lambda x, s: jax.lax.with_sharding_constraint(x, context_sharding(mesh, s)), tree, in_domain_specs
-        )
-
     def per_replica(compute, extra, batch):
         micro = micro_batches(batch, accum)
-        first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(grad_fn, compute, extra, first)
-        (loss0, aux0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
-
-        def body(carry, mb):
-            loss, aux, grads = carry
-            (loss_m, aux_m), grads_m = grad_fn(compute, extra, mb)
-            grads = on_domain(jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads, grads_m))
-            return (loss + loss_m, jax.tree.map(jnp.add, aux, aux_m), grads), None
-
-        (loss, aux, grads), _ = jax.lax.scan(body, (loss0, aux0, on_domain(grads0)), micro)
-        return jax.tree.map(lambda x: x[None], (loss, aux, grads))
+        sums = _sum_micro_batches(grad_fn, compute, extra, micro, accum, _on_domain(mesh, in_domain_specs))
+        return jax.tree.map(lambda x: x[None], sums)
 
     return over_replicas(per_replica, mesh)
 
@@ -286,22 +301,11 @@ def make_accumulate_layer_grads(
 
     def per_replica(compute, extra, batch):
         micro = micro_batches(batch, accum)
-        first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(grad_fn, compute, extra, first)
-        (loss, aux), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
-        grads = on_domain(traverse_util.flatten_dict(grads))
-
-        def body(carry, mb):
-            loss, aux, grads = carry
-            (loss_m, aux_m), grads_m = grad_fn(compute, extra, mb)
-            grads_m = traverse_util.flatten_dict(grads_m)
-            grads = on_domain({p: acc + grads_m[p].astype(acc.dtype) for p, acc in grads.items()})
-            return (loss + loss_m, jax.tree.map(jnp.add, aux, aux_m), grads), None
-
+        loss, aux, grads = _sum_micro_batches(
+            grad_fn, compute, extra, micro, accum - 1, _on_domain(mesh, in_domain_specs)
+        )
+        grads = traverse_util.flatten_dict(grads)
         last = jax.tree.map(lambda x: x[-1], micro)
-        if accum > 1:
-            earlier = jax.tree.map(lambda x: x[:-1], micro)
-            (loss, aux, grads), _ = jax.lax.scan(body, (loss, aux, grads), earlier)
         flat = traverse_util.flatten_dict(compute)
         held = {p: x for p, x in flat.items() if p in plan}
         free = {p: x for p, x in flat.items() if p not in plan}
