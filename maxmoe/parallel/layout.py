@@ -44,6 +44,9 @@ class Layout:
         platform: the platform programs are built for ("cpu", "cuda", ...).
         grouped_matmul, attention: the implementations `auto` resolved to
             (maxmoe.kernels.choice.Choice: name and reason).
+        layer_grads: mesh.reduce_per_layer (ZeRO-1 splits no `layers` dimension).
+        layer_grad_hook: set by the two-tier step for its last micro-batch only
+            (maxmoe.parallel.replicas.LayerGrads; the model calls it from logical_param).
     """
 
     mesh: Mesh
@@ -52,8 +55,8 @@ class Layout:
     platform: str = "cpu"
     grouped_matmul: Any = None
     attention: Any = None
-    layer_grads: bool = False  # mesh.reduce_per_layer: ZeRO-1 keeps `layers` dimensions whole
-    layer_grad_hook: Any = None  # the two-tier step's last micro-batch: maxmoe.parallel.replicas.LayerGrads
+    layer_grads: bool = False
+    layer_grad_hook: Any = None
 
     @property
     def shape(self) -> dict[str, int]:
