@@ -32,6 +32,10 @@ CONTEXT_AXIS = "context"
 # jax scope of context parallelism's latent all-gathers (maxmoe.parallel.context); the planner
 # counts what runs under it as exposed (it waits on the layer's own activations).
 LATENT_GATHER = "context_latent_gather"
+# jax scope of the two-tier step's ZeRO-1 gradient reduction (maxmoe.parallel.replicas): the dry
+# run counts it as the GPU runs it, the planner times it by where it runs (after the loop, or in
+# the last micro-batch's layer loop under mesh.reduce_per_layer).
+ZERO1_REDUCTION = "reduce_to_zero1"
 SIZED_MESH_AXES = tuple(a for a in MESH_AXES if a != REPLICA_AXIS)  # the axes mesh.<axis> sizes
 OPTIONAL_MESH_AXES = ("pipeline", REPLICA_AXIS, CONTEXT_AXIS)  # left out of a mesh where their size is 1
 ACROSS_DOMAINS = ("fsdp", "zero1")  # mesh.across_domains (docs/SHARDING.md, "Two tiers")

@@ -231,7 +231,8 @@ def test_checkpoints_move_between_fsdp_and_zero1(one_device, two_tier, tmp_path)
 
 @pytest.mark.slow
 def test_reduce_per_layer_trains_like_one_device(one_device, per_layer):
-    # The plain step's bounds: the same sums, reduced across domains per layer instead of per leaf.
+    # The plain step's bounds: the same float32 sums in another order (per layer instead of per
+    # leaf across domains; ~1e-7 relative seen), so 1e-5 leaves margin for rounding, not for a bug.
     np.testing.assert_allclose(per_layer["losses"], one_device["losses"], rtol=1e-5)
     np.testing.assert_allclose(per_layer["eval"], one_device["eval"], rtol=1e-5)
     assert_gradients_match(per_layer["grads"], one_device["grads"])

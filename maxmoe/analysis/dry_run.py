@@ -91,7 +91,7 @@ from maxmoe.analysis.hlo import DTYPE_BYTES, collective_ops, dot_flops, summariz
 from maxmoe.analysis.hlo_slices import parse_computations, sliced_elements
 from maxmoe.analysis.hlo_widened import MOVING, narrowed_operands
 from maxmoe.analysis.lowering import a2a_independent_chains
-from maxmoe.config import Config, ConfigError
+from maxmoe.config import ZERO1_REDUCTION, Config, ConfigError
 from maxmoe.flops import (
     count_params,
     flops_per_token,
@@ -242,7 +242,7 @@ def as_on_gpu(
         elif halve_bf16 and row["dtype"] == "f32" and row.get("promoted"):
             row = _narrowed(row, [(1, "f32", "bf16")])
             seen.add("promoted")
-        if row["kind"] == "all-reduce" and row["cross_domain"] and "reduce_to_zero1" in row["op_name"]:
+        if row["kind"] == "all-reduce" and row["cross_domain"] and ZERO1_REDUCTION in row["op_name"]:
             row = {
                 **row,
                 "kind": "reduce-scatter",

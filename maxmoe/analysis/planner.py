@@ -61,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 
 from maxmoe.analysis.assumptions import GB, KINDS, PHASES, SYSTEMS, TIERS, Assumptions, System, table
-from maxmoe.config import LATENT_GATHER
+from maxmoe.config import LATENT_GATHER, ZERO1_REDUCTION
 
 __all__ = ["GB", "SYSTEMS", "System", "Assumptions", "KINDS", "PHASES", "TIERS"]
 PASSES = ("forward", "backward", "other")
@@ -350,7 +350,7 @@ def workload_from_ops(
         tier = "scale_out" if r["cross_domain"] else "scale_up"
         looped = r.get("in_loop", r["runs"] > 1)
         phase = "dependent" if LATENT_GATHER in r.get("op_name", "") else "loop" if looped else "step"
-        window = 1.0 / micro_batches if looped and "reduce_to_zero1" in r.get("op_name", "") else 1.0
+        window = 1.0 / micro_batches if looped and ZERO1_REDUCTION in r.get("op_name", "") else 1.0
         key = (tier, r["kind"], phase, r.get("pass", "backward"), window)
         total = classes.setdefault(key, [0.0, 0, 2])
         total[0] += r["bytes"]

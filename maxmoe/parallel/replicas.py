@@ -50,9 +50,10 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
+from maxmoe.config import REPLICA_AXIS, ZERO1_REDUCTION
 from maxmoe.kernels.shard_context import axes_of, context_sharding, shard_map_in_context
 
-REPLICA = "replica"  # maxmoe.config.REPLICA_AXIS (parallel imports nothing of ours but parallel)
+REPLICA = REPLICA_AXIS
 
 
 def without_axis(spec: PartitionSpec, *axis: str) -> PartitionSpec:
@@ -235,7 +236,7 @@ class LayerGrads:
             return w, add
 
         def backward(add, ct):
-            with jax.named_scope("reduce_to_zero1"):
+            with jax.named_scope(ZERO1_REDUCTION):
                 # The in-domain reduction first, in the cotangent's dtype, as a reduce-scatter onto
                 # ZeRO-1's in-domain shards (the plain step reduces each micro-batch's so).
                 # `add` (in-domain sums) sliced to the same shards: no traffic.
@@ -360,7 +361,7 @@ def reduce_to_zero1(grads_R: Any, zero1: Any, scale: float, axis: str = REPLICA)
         g = jax.lax.with_sharding_constraint(g, local)
         return jax.lax.with_sharding_constraint(g.sum(0) * scale, z)
 
-    with jax.named_scope("reduce_to_zero1"):
+    with jax.named_scope(ZERO1_REDUCTION):
         return jax.tree.map(one, grads_R, zero1)
 
 

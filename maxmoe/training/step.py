@@ -204,6 +204,11 @@ def _accumulated_grads(config: Config, layout: Any) -> Callable:
     return grads_fn
 
 
+def float32_leaves(boxed_params: Any) -> Any:
+    """True for the leaves the model uses in float32 (norm scales, the router's gate), per leaf."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed_params))
+
+
 def weight_copy(
     config: Config, layout: Any, boxed_params: Any, over: Any = None, axis: str = replicas.REPLICA
 ) -> tuple[Callable, Any, Any]:
@@ -217,7 +222,7 @@ def weight_copy(
     (`Layout.whole_shardings`): gathered here once per step, not per layer and micro-batch.
     """
     zero1, in_domain = layout.zero1_shardings(boxed_params, over), layout.tree_shardings(boxed_params)
-    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed_params))
+    keep = float32_leaves(boxed_params)
     dtype = COMPUTE_DTYPES[config.model.compute_dtype]
     gathered = in_domain
     if config.mesh.gather_once and axis == replicas.REPLICA:
@@ -262,8 +267,7 @@ def _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, grad_fn, in_do
     domains inside the last micro-batch's backward pass, one layer at a time
     (maxmoe.parallel.replicas.LayerGrads); the other weights after the loop, as before."""
     accum, r = config.train.grad_accum, layout.replicas
-    keep = jax.tree_util.tree_map_with_path(lambda path, _: uses_float32(path), nn.unbox(boxed))
-    plan = replicas.plan_layer_grads(zero1, nn.get_partition_spec(boxed), keep, layout.shape)
+    plan = replicas.plan_layer_grads(zero1, nn.get_partition_spec(boxed), float32_leaves(boxed), layout.shape)
     hooked = dataclasses.replace(layout, layer_grad_hook=replicas.LayerGrads(plan, layout.mesh, r))
     last_loss = make_loss_fn(config, hooked)
 
