@@ -9,7 +9,8 @@ gradient norm; and a heatmap of expert load per MoE layer over the steps (max/me
 1 is perfectly balanced, num_experts / experts_per_token when every token picks the same
 experts). The heatmap reads the per-layer lists `moe_layer_imbalance` of
 metrics.jsonl where present, else per-layer loads handed in (a Trainer's `expert_loads`),
-else the scalar `moe_imbalance` (max over layers) as one row.
+else the scalar `moe_imbalance` (max over layers) as one row; empty lists (a model without
+MoE layers) leave the panel empty.
 
 In Python: `figure(run_dir_or_trainer_or_records)` returns a matplotlib Figure;
 `write_report(source, out)` saves it as PNG. Needs matplotlib (`pip install 'maxmoe[plot]'`).
@@ -109,7 +110,10 @@ def layer_imbalance(
     records: Sequence[dict], expert_loads: Sequence[tuple[int, Any]] | None = None
 ) -> tuple[list[int], np.ndarray, bool]:
     """(steps, max/mean load [layers, steps], per_layer) for the heatmap; see the module doc for the sources."""
-    rows = [r for r in records if isinstance(r.get(LAYER_IMBALANCE_KEY), list)]
+    listed = [r for r in records if isinstance(r.get(LAYER_IMBALANCE_KEY), list)]
+    rows = [r for r in listed if r[LAYER_IMBALANCE_KEY]]
+    if listed and not rows:  # a model without MoE layers logs empty lists: nothing to draw
+        return [], np.zeros((0, 0)), True
     if rows:
         width = max(len(r[LAYER_IMBALANCE_KEY]) for r in rows)
         matrix = np.full((width, len(rows)), np.nan)
@@ -215,7 +219,8 @@ def figure(source: Any, *, expert_loads: Sequence[tuple[int, Any]] | None = None
         image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma", vmin=1.0, extent=extent)
         fig.colorbar(image, ax=ax, label="max / mean expert load")
         ax.set_yticks(range(len(names)), names)
-    ax.set(title="expert load per MoE layer (1 = balanced)", xlabel="step")
+    heading = "expert load per MoE layer (1 = balanced)" if steps else "expert load: the model has no MoE layer"
+    ax.set(title=heading, xlabel="step")
     return fig
 
 

@@ -68,6 +68,21 @@ def test_report_falls_back_to_loads_then_to_the_scalar(tmp_path):
     assert out.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_a_model_without_moe_layers_gets_no_heatmap(tmp_path):
+    """A dense model logs empty per-layer lists (and a scalar of 1): no heatmap row, a title that says so."""
+    records = write_run(tmp_path / "run", per_layer=True)
+    for r in records:
+        if "loss" in r:
+            r[report.LAYER_IMBALANCE_KEY], r["moe_imbalance"] = [], 1.0
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    steps, matrix, per_layer = report.layer_imbalance(records)
+    assert steps == [] and matrix.size == 0
+    fig = report.figure(tmp_path / "run")
+    assert not [image for ax in fig.axes for image in ax.images]
+    assert "no MoE layer" in fig.axes[-1].get_title()
+    assert report.main([str(tmp_path / "run")]) == 0
+
+
 @pytest.mark.parametrize("case", ["no_folder", "no_metrics", "unwritable"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
     args = [str(tmp_path / "missing")]

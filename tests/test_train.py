@@ -12,6 +12,7 @@ import pytest
 from conftest import job_env
 
 from maxmoe.config import load_config
+from maxmoe.model.transformer import build_model
 from maxmoe.training.optim import learning_rate_schedule, make_optimizer
 from maxmoe.training.step import init_state, make_train_step
 
@@ -77,6 +78,27 @@ def test_loss_falls_on_a_repeated_batch():
     assert np.isfinite(losses).all()
     # Random tokens: the only way down is memorising the batch.
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_model_without_moe_layers_trains():
+    """first_k_dense = num_layers and no MTP: no MoE layer, so no router statistics. One step's
+    loss is the cross-entropy of the model's logits, computed here with numpy's log-softmax."""
+    config = load_config([TINY], SMALL + ["model.num_layers=2", "model.first_k_dense=2", "model.mtp_num_layers=0"])
+    optimizer = make_optimizer(config.train)
+    state = init_state(config, optimizer, jax.random.key(0))
+    assert not jax.tree.leaves(state.router)
+    batch = fixed_batch(config)
+    (logits, mtp), _ = build_model(config.model).apply(
+        {"params": state.params, "router": state.router}, batch[:, :-1], mutable=["moe_stats"]
+    )
+    assert not mtp
+    logits = np.asarray(logits, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logp, np.asarray(batch[:, 1:])[..., None], -1).mean()
+    state, metrics = jax.jit(make_train_step(config, optimizer))(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-6)
+    assert float(metrics["seq_aux"]) == 0.0 and np.isfinite(float(metrics["grad_norm"]))
 
 
 @pytest.mark.slow

@@ -115,7 +115,7 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
         (main, mtp), variables = model.apply(
             {"params": params, "router": router, **(more or {})}, tokens, hidden_only=hidden_only, mutable=["moe_stats"]
         )
-        return output_loss(params["head"], main, mtp, targets, variables["moe_stats"])
+        return output_loss(params["head"], main, mtp, targets, variables.get("moe_stats", {}))
 
     return loss_fn
 
