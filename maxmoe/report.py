@@ -219,7 +219,10 @@ def figure(source: Any, *, expert_loads: Sequence[tuple[int, Any]] | None = None
         image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="magma", vmin=1.0, extent=extent)
         fig.colorbar(image, ax=ax, label="max / mean expert load")
         ax.set_yticks(range(len(names)), names)
-    heading = "expert load per MoE layer (1 = balanced)" if steps else "expert load: the model has no MoE layer"
+    # No rows at all: the model logged empty per-layer lists (no MoE layer), not merely no steps.
+    heading = (
+        "expert load: the model has no MoE layer" if not len(matrix) else "expert load per MoE layer (1 = balanced)"
+    )
     ax.set(title=heading, xlabel="step")
     return fig
 

@@ -81,6 +81,9 @@ def test_a_model_without_moe_layers_gets_no_heatmap(tmp_path):
     assert not [image for ax in fig.axes for image in ax.images]
     assert "no MoE layer" in fig.axes[-1].get_title()
     assert report.main([str(tmp_path / "run")]) == 0
+    # Records without any load figure: no heatmap either, and no claim about the model.
+    bare = [{k: v for k, v in r.items() if k not in (report.LAYER_IMBALANCE_KEY, "moe_imbalance")} for r in records]
+    assert "no MoE layer" not in report.figure(bare).axes[-1].get_title()
 
 
 @pytest.mark.parametrize("case", ["no_folder", "no_metrics", "unwritable"])
