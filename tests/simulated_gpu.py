@@ -25,6 +25,7 @@ What each jax needs it for (tests/test_gpu_sim.py, run under 0.10.2 and 0.12):
              asks "what am I on" answer as on the GPU (the init blocker showed only so)
   jax 0.12   as 0.10, and Triton lowers at all only inside the fixture (outside, `auto` falls
              back to chunked attention and blockwise FP8 to XLA's program)
+Every Triton module lowered inside it is also verified (MLIR's verifier, as XLA:GPU parses it).
 jax 0.11 (the GPU image's) is not installed here: the fixture patches `gpu_info` where that
 module exists and the device queries everywhere, the lookups 0.10 and 0.12 use. cuDNN
 attention asks the real cuDNN while tracing and is not simulated.
@@ -101,6 +102,24 @@ def _gpu_info_patch(kind: GpuKind) -> list:
     return [(gpu_info, "get_gpu_info", lambda: info)]
 
 
+def _verified_triton_patch() -> list:
+    """Every Triton module lowered inside the fixture is verified as XLA:GPU's parser will: the
+    lowering itself does not (an `scf.for` whose bounds differ in type lowered here and failed
+    only in XLA:GPU's compile, on the first H200)."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as registration
+    except ImportError:
+        return []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError, naming the op and its source line
+        return result
+
+    return [(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)]
+
+
 @contextlib.contextmanager
 def simulated_gpu(kind: GpuKind, count: int | None = None):
     """Within the block this process's device queries answer as `count` GPUs of `kind` (default:
@@ -125,6 +144,7 @@ def simulated_gpu(kind: GpuKind, count: int | None = None):
         (jax, "default_backend", lambda: "gpu"),
         (jex_backend, "get_default_device", lambda: gpus[0]),
         *_gpu_info_patch(kind),
+        *_verified_triton_patch(),
     ]
     caches = [attention.triton_lowers_here, mosaic_ragged_dot._has_gpu_devices]  # answers of the real process
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

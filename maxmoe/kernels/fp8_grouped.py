@@ -105,7 +105,10 @@ def _kernel(schedule_ref, aq_ref, a_scale_ref, bq_ref, b_scale_ref, out_ref, *, 
         return acc + partial * a_scale[:, None] * b_scale[None, :]
 
     acc = jnp.zeros((block_m, block_n), jnp.float32)
-    acc = jax.lax.fori_loop(0, jnp.where(hi > lo, blocks, 0), add_block, acc)
+    # No blocks for a tile with no rows. Not `jnp.where(hi > lo, blocks, 0)`: Pallas Triton lowers
+    # that select of two constants in the predicate's type (i1), an invalid loop bound.
+    trips = (hi > lo).astype(jnp.int32) * blocks
+    acc = jax.lax.fori_loop(0, trips, add_block, acc)
     plgpu.store(out_ref.at[row_slice, col_slice], acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
