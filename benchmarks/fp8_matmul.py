@@ -86,9 +86,11 @@ def run_shape(name, shape, recipes, repeats, emit=lambda rows: None, backend="ra
         2 * valid * d * f,
     )
     out = []
-    for kind, (args, useful) in cases.items():
-        base = {}
-        for recipe in recipes:
+    base = {kind: {} for kind in cases}
+    # Recipe-major (bf16 first, the others in the order given), so a run cut short by its time
+    # limit has each recipe it reached for both GEMMs.
+    for recipe in recipes:
+        for kind, (args, useful) in cases.items():
             row = {"shape": name, "kind": kind, "recipe": recipe, "useful_gflop": useful / 1e9}
             if kind == "grouped":
                 row["backend"] = backend
@@ -102,9 +104,9 @@ def run_shape(name, shape, recipes, repeats, emit=lambda rows: None, backend="ra
                     message = str(e).splitlines()[0][:120] if str(e) else ""
                     row[part] = {"ms": None, "tflops": None, "status": f"failed: {type(e).__name__}: {message}"}
                 if recipe == "bf16":
-                    base[part] = row[part]["tflops"]
+                    base[kind][part] = row[part]["tflops"]
                 tf = row[part]["tflops"]
-                row[part]["vs_bf16"] = tf / base[part] if tf and base.get(part) else None
+                row[part]["vs_bf16"] = tf / base[kind][part] if tf and base[kind].get(part) else None
             out.append(row)
             emit(out)
     return out

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # One-GPU suite: a preflight line, then each part under its own time limit. The one-GPU parts'
-# limits sum to 360 s (printed first), so with machine start-up a second try fits in fifteen
-# minutes; `--only` reruns chosen parts.
+# limits sum to 400 s (printed first), so with machine start-up the suite and a rerun of its
+# slowest parts fit in fifteen minutes; `--only` reruns chosen parts. Within a part the rows
+# least known come first (the first H200 run, 2026-12-04, spent cold compiles on rows it
+# already had and timed out before the kernels' rows).
 #   0. check (45 s): every kernel `auto` can choose here against its XLA oracle, value and both
 #      gradients (maxmoe.check, also `python -m maxmoe.info --check`)
-#   1. grouped matmul (60 s): bf16 matmul peak; each backend, forward and forward+backward
+#   1. grouped matmul (55 s): bf16 matmul peak; each backend, forward and forward+backward
 #      (value_and_grad: the forward runs too) at the proxy_1gpu and 671B per-GPU shapes
-#   2. attention (45 s): forward+backward per implementation at (B=1, H=128, T=4096), (B=8, H=16, T=4096)
-#   3. FP8 GEMMs (45 s): each model.fp8 recipe against bf16, a 671B dense projection and grouped GEMM
-#   4. proxy_1gpu training step (120 s): tokens/s and MFU, one process, most valuable first: auto,
-#      model.fp8=blockwise, model.attention=cudnn, model.fp8=tensorwise, model.remat=full
+#   2. attention (60 s): forward+backward per implementation at (B=1, H=128, T=4096), (B=8, H=16,
+#      T=4096): the kernels (triton, cudnn, tokamax) before XLA's chunked and dense cores
+#   3. FP8 GEMMs (55 s): each model.fp8 recipe against bf16, a 671B dense projection and grouped
+#      GEMM; blockwise (maxmoe's Triton kernels, the slowest to run) last
+#   4. proxy_1gpu training step (140 s): tokens/s and MFU, one process, most valuable first: auto,
+#      model.attention=cudnn, model.fp8=tensorwise, model.remat=full, model.fp8=blockwise (about a
+#      minute: 8,497 tokens/s on the first H200)
 #   5. command buffers on (45 s): auto again with --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL
 #      (a process flag, hence its own process)
-#   6. dispatch (150 s, only with 2 or more GPUs; not in the 360 s): benchmarks/dispatch.py
+#   6. dispatch (150 s, only with 2 or more GPUs; not in the 400 s): benchmarks/dispatch.py
 # Left out because the dry run says they cannot fit one 141 GB GPU at the proxy shape: XLA's
 # ragged_dot (its dense rewrite: 565 GB) and xla attention with train.loss_chunk=0 (~190 GB).
 # Every part writes each row as soon as it is measured; a part that times out keeps its rows.
@@ -48,13 +53,13 @@ wanted() { [[ -z "$ONLY" || "$ONLY" == *",$1,"* ]]; }
 # GPU run
 GPU_CHECK=()
 GPU_GROUPED=(--shape proxy --shape 671b --valid 0.5 --peak 8192 --repeats 10 --backend mosaic_gpu --backend tokamax)
-GPU_ATTENTION=(--repeats 5)
-GPU_FP8=(--shape 671b --repeats 10)
+GPU_ATTENTION=(--impl triton --impl cudnn --impl tokamax --impl chunked --impl xla --repeats 3)
+GPU_FP8=(--shape 671b --repeats 5 --recipe tensorwise --recipe mxfp8 --recipe blockwise)
 GPU_STEP=(--config configs/proxy_1gpu.yaml --steps 6 --warmup 2)
-GPU_VARIANTS=(--variant "" --variant "model.fp8=blockwise" --variant "model.attention=cudnn"
-              --variant "model.fp8=tensorwise" --variant "model.remat=full")
+GPU_VARIANTS=(--variant "" --variant "model.attention=cudnn" --variant "model.fp8=tensorwise"
+              --variant "model.remat=full" --variant "model.fp8=blockwise")
 GPU_COMMAND_BUFFERS=(--variant "")
-GPU_LIMITS=(45 60 45 45 120 45 150)
+GPU_LIMITS=(45 55 60 55 140 45 150)
 # end of GPU run
 
 if [[ $SMOKE -eq 1 ]]; then

@@ -32,7 +32,7 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("preflight: 1 x cpu (cpu, compute capability -), jax ")
-    assert lines[1].startswith("limits: one-GPU parts 0-5 sum to 360 s on a GPU")
+    assert lines[1].startswith("limits: one-GPU parts 0-5 sum to 400 s on a GPU")
     suite = json.loads((tmp_path / "suite.json").read_text())
     assert suite["failed_parts"] == [], suite["failed_parts"]
     assert suite["preflight"]["platform"] == "cpu"
