@@ -68,13 +68,15 @@ def test_cpu_lowering_emulates(train_step_text):
     assert counts["ragged_all_to_all"] == 0 and counts["all_to_all"] > 0, counts
 
 
-@pytest.mark.parametrize("platform", ["cuda", "cpu"])
-def test_comm_saving_remat_runs_no_collective_again(train_step_text, platform):
+@pytest.mark.parametrize(
+    "platform, policy", [("cuda", SAVING_REMAT), ("cpu", SAVING_REMAT), ("cuda", "save_dots_comm")]
+)
+def test_comm_saving_remat_runs_no_collective_again(train_step_text, platform, policy):
     # remat=full recomputes the forward pass of the scanned MoE layers, collectives included;
     # a comm-saving policy keeps what they produced (on CPU the emulation's offset exchange too).
     plain = count_collectives(train_step_text(platform, "none"))
     full = count_collectives(train_step_text(platform, "full"))
-    saving = count_collectives(train_step_text(platform, SAVING_REMAT))
+    saving = count_collectives(train_step_text(platform, policy))
     assert {k: saving[k] for k in DISPATCH_COLLECTIVES} == {k: plain[k] for k in DISPATCH_COLLECTIVES}
     key = "ragged_all_to_all" if platform == "cuda" else "all_to_all"
     assert full[key] > plain[key]  # the counts do see recomputation

@@ -1,0 +1,41 @@
+"""Compile a lowered program with float16 standing in for bfloat16, for GPU-like memory figures.
+
+XLA:CPU has no bf16 dot: its float normalisation converts each bf16 dot operand to f32, and
+loop-invariant code motion then hoists those converts out of loops as whole-stack f32 copies
+-- of the residuals a remat policy saves for the backward pass, and of the bf16 weights a
+layer scan reads -- which sit beside the bf16 stacks they copy. A GPU runs bf16 dots natively
+and holds neither. XLA:CPU does run f16 dots and collectives natively, and float16 has
+bfloat16's width, so the same program with every bf16 type written f16 gets the buffer
+assignment the GPU's bf16 program would (the values differ; nothing runs). Turning code
+motion off instead removes the copies but also leaves weight gathers inside loops, which
+understates memory (docs/perf-log.md, 2026-12-04).
+
+The substitution is textual on the StableHLO module, debug locations kept (the dry run reads
+jax's op names from them): element types only (`xbf16>`, `<bf16>`), so names, attributes
+and the FP8 types are untouched.
+"""
+
+from __future__ import annotations
+
+import re
+
+BF16_TYPE = re.compile(r"(?<=[x<])bf16(?=>)")
+
+
+def f16_text(stablehlo: str) -> tuple[str, int]:
+    """`stablehlo` with every bf16 element type written f16, and how many were replaced."""
+    return BF16_TYPE.subn("f16", stablehlo)
+
+
+def compile_half_width(lowered, compiler_options=None):
+    """(compiled program, bf16 types replaced): `lowered` (a jax `Lowered`) compiled with f16 for
+    bf16; the program as lowered where it holds no bf16."""
+    from jax._src.lib.mlir import ir
+
+    text, replaced = f16_text(lowered.as_text(debug_info=True))
+    if replaced:
+        computation = lowered._lowering  # the only way to compile another module with jax's arguments
+        with computation._hlo.context:
+            computation._hlo = ir.Module.parse(text)
+        computation._executable = None
+    return lowered.compile(compiler_options=compiler_options), replaced
