@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxmoe.analysis.half_width import compile_half_width, f16_text
+from maxmoe.analysis.half_width import bf16_dots_widened, compile_half_width, f16_text
 
 LAYERS, TOKENS, D, F = 8, 512, 256, 1024
 
@@ -40,17 +40,18 @@ def _lowered(dtype):
     return jax.jit(jax.grad(_loss)).lower(ws, jnp.zeros((TOKENS, D), dtype))
 
 
-def test_a_bf16_layer_scan_compiles_to_the_memory_of_its_f16_twin():
-    """A layer scan saving a bf16 residual per layer: compiled as f16 it needs what the same program
-    written in f16 needs (the oracle), which holds the residual stack and no f32 copy of it."""
+def test_a_bf16_layer_scan_compiles_without_f32_copies_of_its_stacks():
+    """A layer scan saving a bf16 residual per layer: the dry run's compile needs no more than the
+    same program written in f16 (the oracle), and less than the saved stack with an f32 copy of
+    it beside (which XLA:CPU's own bf16 program holds where it widens bf16 dots)."""
     half, replaced = compile_half_width(_lowered(jnp.bfloat16))
-    assert replaced > 0
-    twin = _lowered(jnp.float16).compile().memory_analysis().temp_size_in_bytes
-    assert half.memory_analysis().temp_size_in_bytes == twin
-    assert twin >= LAYERS * TOKENS * F * 2  # the saved stack itself
-    # XLA:CPU's own bf16 program: at least an f32 copy of that stack more.
-    cpu = _lowered(jnp.bfloat16).compile().memory_analysis().temp_size_in_bytes
-    assert cpu >= twin + LAYERS * TOKENS * F * 4
+    assert (replaced > 0) == bf16_dots_widened()
+    temp = half.memory_analysis().temp_size_in_bytes
+    assert temp <= _lowered(jnp.float16).compile().memory_analysis().temp_size_in_bytes
+    stack = LAYERS * TOKENS * F * 2
+    assert stack <= temp < 3 * stack
+    if bf16_dots_widened():
+        assert _lowered(jnp.bfloat16).compile().memory_analysis().temp_size_in_bytes >= 3 * stack
 
 
 def test_a_program_without_bf16_compiles_as_lowered():

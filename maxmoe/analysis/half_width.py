@@ -10,13 +10,15 @@ assignment the GPU's bf16 program would (the values differ; nothing runs). Turni
 motion off instead removes the copies but also leaves weight gathers inside loops, which
 understates memory (docs/perf-log.md, 2026-12-04).
 
-The substitution is textual on the StableHLO module, debug locations kept (the dry run reads
-jax's op names from them): element types only (`xbf16>`, `<bf16>`), so names, attributes
-and the FP8 types are untouched.
+Only where this XLA:CPU widens bf16 dots (`bf16_dots_widened`: jaxlib 0.10's does; 0.12's
+runs them in bf16 and needs no stand-in). The substitution is textual on the StableHLO
+module, debug locations kept (the dry run reads jax's op names from them): element types
+only (`xbf16>`, `<bf16>`), so names, attributes and the FP8 types are untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 BF16_TYPE = re.compile(r"(?<=[x<])bf16(?=>)")
@@ -27,11 +29,25 @@ def f16_text(stablehlo: str) -> tuple[str, int]:
     return BF16_TYPE.subn("f16", stablehlo)
 
 
+@functools.lru_cache(maxsize=1)
+def bf16_dots_widened() -> bool:
+    """Whether XLA:CPU computes a bf16 dot in f32 (its compiled dot's result is f32)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    text = jax.jit(jnp.matmul).lower(x, x).compile().as_text()
+    return any(re.search(r"= f32\[64,64\]\S* dot\(", line) for line in text.splitlines())
+
+
 def compile_half_width(lowered, compiler_options=None):
     """(compiled program, bf16 types replaced): `lowered` (a jax `Lowered`) compiled with f16 for
-    bf16; the program as lowered where it holds no bf16."""
+    bf16 where XLA:CPU widens bf16 dots; as lowered (0 replaced) where it does not or the
+    program holds no bf16."""
     from jax._src.lib.mlir import ir
 
+    if not bf16_dots_widened():
+        return lowered.compile(compiler_options=compiler_options), 0
     text, replaced = f16_text(lowered.as_text(debug_info=True))
     if replaced:
         computation = lowered._lowering  # the only way to compile another module with jax's arguments
