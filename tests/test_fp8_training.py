@@ -15,6 +15,7 @@ from maxmoe.analysis.lowering import lower_train_step
 from maxmoe.config import ConfigError, load_config
 from maxmoe.kernels.fp8_quant import E4M3, round_trip
 from maxmoe.parallel.collectives import ragged_all_to_all_impl
+from maxmoe.parallel.dispatch import COMM_NAMES
 from maxmoe.parallel.fp8_dispatch import TILE, fp8_ragged_exchange
 from maxmoe.parallel.layout import build_layout
 from maxmoe.sweep import with_mesh
@@ -150,6 +151,30 @@ def test_fp8_exchange_moves_the_rounded_rows_and_passes_gradients_through(recipe
     got_out, got_grad = shard(fp8)(rows, cotangent)
     np.testing.assert_array_equal(got_out, want_out)  # per-row tiles: rounding commutes with moving rows
     np.testing.assert_array_equal(got_grad, want_grad)  # straight through: the plain exchange's transpose
+
+
+def test_a_comm_saving_policy_keeps_the_exchanges_fp8_payload():
+    """Under a policy keeping collectives' outputs (COMM_NAMES) the backward pass needs the received
+    e4m3 rows and their mxfp8 exponents (one int8 per 32 features), not the dequantised rows:
+    about half the bytes, and no all-to-all again."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+    spec = jax.sharding.PartitionSpec("expert")
+
+    def body(rows):
+        me = jax.lax.axis_index("expert")
+        args = (jnp.arange(4) * 2, jnp.full(4, 2), jnp.full(4, 2 * me), jnp.full(4, 2))
+        out = fp8_ragged_exchange(rows, *args, buffer_rows=8, axis_name="expert", a2a_impl="emulate", recipe="mxfp8")
+        return jnp.sin(out)
+
+    exchange = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    policy = jax.checkpoint_policies.save_only_these_names(*COMM_NAMES)
+    loss = jax.checkpoint(lambda r: jnp.sum(exchange(r)), policy=policy)
+    rows = jax.device_put(jnp.zeros((32, 160), jnp.bfloat16), jax.sharding.NamedSharding(mesh, spec))
+    saved = sorted((aval.str_short(), "argument" in why) for aval, why in saved_residuals(loss, rows))
+    want = [("bfloat16[32@expert,160]", True), ("float8_e4m3fn[32@expert,160]", False), ("int8[32@expert,5]", False)]
+    assert saved == want, saved
 
 
 def test_dry_run_counts_fp8_dispatch_bytes():

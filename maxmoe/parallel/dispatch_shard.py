@@ -17,6 +17,7 @@ rule hands the policy its body, and a saved value leaves the shard_map as a resi
 |---|---|---|
 | moe_dispatch_counts | all-gathered per-expert counts [P, E] int32 (ragged_a2a) | 4 P E |
 | moe_dispatch_rows | rows received for the local experts [M, D]; allgather: gathered x [P n, D]; capacity: [E, C, D] | M D b, the whole buffer |
+| moe_fp8_dispatch_rows | moe.fp8_dispatch: the received e4m3 rows [M, D] and their scales (instead of moe_dispatch_rows) | M (D + 4 D / 128) or M (D + D / 32) |
 | moe_dispatch_meta | allgather: gathered expert ids and weights | small |
 | moe_combine_rows | expert outputs back at their token copies [n K, D]; capacity: [E, C, D] | n K D b |
 | moe_expert_gate_up | the grouped gate/up GEMM's output [M, 2F], any backend (grouped_matmul.py) | 2 M F b |
@@ -39,13 +40,13 @@ from jax.ad_checkpoint import checkpoint_name
 from maxmoe.kernels.fp8_matmul import fp8_grouped_swiglu
 from maxmoe.kernels.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
 from maxmoe.parallel.collectives import EMULATED_OFFSETS, ragged_all_to_all_impl
-from maxmoe.parallel.fp8_dispatch import fp8_ragged_exchange
+from maxmoe.parallel.fp8_dispatch import FP8_DISPATCH_ROWS, fp8_ragged_exchange
 
 DISPATCH_COUNTS = "moe_dispatch_counts"
 DISPATCH_ROWS = "moe_dispatch_rows"
 DISPATCH_META = "moe_dispatch_meta"
 COMBINE_ROWS = "moe_combine_rows"
-COMM_NAMES = (DISPATCH_COUNTS, DISPATCH_ROWS, DISPATCH_META, COMBINE_ROWS, EMULATED_OFFSETS)
+COMM_NAMES = (DISPATCH_COUNTS, DISPATCH_ROWS, FP8_DISPATCH_ROWS, DISPATCH_META, COMBINE_ROWS, EMULATED_OFFSETS)
 EXPERT_MATMUL_NAMES = (EXPERT_GATE_UP,)
 
 
@@ -175,7 +176,7 @@ def ragged_a2a_shard(
             a2a_impl=a2a_impl,
             recipe=fp8,
         )
-    else:
+    else:  # (the fp8 exchange names its fp8 payload, which is what a policy should keep)
         receive_MD = ragged_all_to_all(
             sorted_rows_MD,
             jnp.zeros((buffer_rows,) + x_nD.shape[1:], x_nD.dtype),
@@ -185,7 +186,7 @@ def ragged_a2a_shard(
             recv_sizes,
             axis_name=expert_axis,
         )
-    receive_MD = checkpoint_name(receive_MD, DISPATCH_ROWS)
+        receive_MD = checkpoint_name(receive_MD, DISPATCH_ROWS)
 
     # Regroup the received rows by local expert (stable: source-major inside an expert).
     from_me_SL = counts_SRL[:, me]
