@@ -67,7 +67,11 @@ def _receive(rows_MD, offsets, buffer_rows, axis_name, a2a_impl, recipe):
     q_MD, scale_MT = quantize(rows_MD, E4M3, (1, tile), power_of_two)
     if power_of_two:  # an e8m0 scale is its exponent: one byte
         scale_MT = (jnp.frexp(scale_MT)[1] - 1).astype(jnp.int8)
-    q_MD = checkpoint_name(_send(q_MD, buffer_rows, offsets, axis_name, a2a_impl), FP8_DISPATCH_ROWS)
+    q_MD = _send(q_MD, buffer_rows, offsets, axis_name, a2a_impl)
+    # Named as its bytes: XLA:CPU (the dry run's compiler) would hold a saved fp8 stack as f16;
+    # on a GPU the bitcasts cost nothing.
+    bytes_MD = checkpoint_name(jax.lax.bitcast_convert_type(q_MD, jnp.uint8), FP8_DISPATCH_ROWS)
+    q_MD = jax.lax.bitcast_convert_type(bytes_MD, q_MD.dtype)
     scale_MT = checkpoint_name(_send(scale_MT, buffer_rows, offsets, axis_name, a2a_impl), FP8_DISPATCH_ROWS)
     if power_of_two:
         scale_MT = jnp.ldexp(jnp.float32(1), scale_MT.astype(jnp.int32))
