@@ -69,7 +69,8 @@ def test_cpu_lowering_emulates(train_step_text):
 
 
 @pytest.mark.parametrize(
-    "platform, policy", [("cuda", SAVING_REMAT), ("cpu", SAVING_REMAT), ("cuda", "save_dots_comm")]
+    "platform, policy",
+    [("cuda", SAVING_REMAT), ("cpu", SAVING_REMAT), ("cuda", "save_moe"), ("cuda", "save_dots_comm")],
 )
 def test_comm_saving_remat_runs_no_collective_again(train_step_text, platform, policy):
     # remat=full recomputes the forward pass of the scanned MoE layers, collectives included;
