@@ -168,6 +168,33 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
     return {k: (by_class[k] / 3.0 if k in classes else 0.0) for k in GEMM_CLASSES if k != "head"}
 
 
+def context_flops_per_token(m: ModelConfig, context: int) -> dict[str, float]:
+    """Executed FLOPs per token that context parallelism (mesh.context = C > 1) moves between
+    GEMM classes; {} for C = 1. Model FLOPs do not change.
+
+    The latent core (maxmoe.model.attention_ops.latent_attention) makes keys and values inside
+    its key loop: each device up-projects the whole sequence's latents, C x its own tokens,
+    forward and again in the backward pass, and takes both gradients there: 8 C u per local
+    token and attention layer, u = kv_lora_rank x heads x (qk_nope + v head dims), in the
+    compute dtype ("latent_up"). The projection it replaces, 6 u per token, leaves "attention"
+    (and with it FP8 credit). Where model.remat runs a scanned layer's attention core again,
+    the core's forward adds 2 C u and the projection's recompute, 2 u, goes.
+    """
+    if context <= 1:
+        return {}
+    u = m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    layers = m.num_layers + m.mtp_num_layers  # every attention block
+    classes = RECOMPUTED_CLASSES.get(m.remat)
+    if classes is None:
+        raise ValueError(f"model.remat={m.remat!r}: no recompute table entry")
+    again = m.num_layers if "attention_core" in classes else 0  # scanned blocks (MTP's is not rematerialised)
+    projection_again = m.num_layers if "attention" in classes else 0
+    return {
+        "attention": -6.0 * u * layers - 2.0 * u * projection_again,
+        "latent_up": 8.0 * context * u * layers + 2.0 * context * u * again,
+    }
+
+
 # The GEMM classes each recipe runs as FP8 GEMMs on a GPU kernel backend, by architecture
 # (maxmoe.kernels.fp8_matmul's table): tensorwise's dense projections are fp8 dots, its routed
 # experts go to the bf16 grouped kernel (fp8 values given as bf16); mxfp8's dense projections
@@ -263,5 +290,6 @@ __all__ = [
     "flops_per_token_by_class",
     "fp8_gemm_classes",
     "recompute_flops_per_token",
+    "context_flops_per_token",
     "mfu",
 ]

@@ -30,7 +30,12 @@ from maxmoe.analysis.planner import (
     workload_from_ops,
 )
 from maxmoe.config import load_config
-from maxmoe.flops import PEAK_TFLOPS_BF16, flops_per_token_by_class, recompute_flops_per_token
+from maxmoe.flops import (
+    PEAK_TFLOPS_BF16,
+    context_flops_per_token,
+    flops_per_token_by_class,
+    recompute_flops_per_token,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -139,6 +144,30 @@ def test_remat_full_runs_the_scanned_layers_forward_again():
     # save_comm keeps collectives' outputs only: every GEMM runs again, as under full.
     comm = load_config([str(ROOT / "configs" / "deepseek_v3_671b.yaml")], ["model.remat=save_comm"])
     assert sum(recompute_flops_per_token(comm.model, t).values()) == pytest.approx(layers / 3)
+
+
+def test_context_parallelism_charges_the_latent_cores_up_projections():
+    """mesh.context = 2: each device up-projects both halves' latents to keys and values inside the
+    core, forward, again backward, and both gradients: 8 x 2 u per token and attention block
+    (u = 512 x 128 x (128 + 128)), plus 2 x 2 u where remat full runs a scanned layer's core
+    again; the projection it replaces (6 u, 2 u more recomputed) leaves the attention class and
+    its FP8 credit. Model FLOPs stay."""
+    u = 512 * 128 * 256
+    files = [str(ROOT / "configs" / "deepseek_v3_671b.yaml")]
+    for remat, up, projection in (("none", 8 * 2 * 62, 6 * 62), ("full", 8 * 2 * 62 + 2 * 2 * 61, 6 * 62 + 2 * 61)):
+        m = load_config(files, [f"model.remat={remat}"]).model
+        assert context_flops_per_token(m, 2) == {"latent_up": up * u, "attention": -projection * u}
+        assert context_flops_per_token(m, 1) == {}
+    # In the planner's workload (remat full, the last case): the same per token, times the
+    # tokens a device runs in a step.
+    overrides = ["model.remat=full", "model.fp8=mxfp8", "mesh.data=4", "mesh.expert=32"]
+    plain = load_config(files, overrides)
+    split = load_config(files, overrides + ["mesh.context=2", "train.grad_accum=12"])
+    tokens = plain.train.batch_size * plain.train.seq_len / 256
+    a, b = step_workload(plain, [], 256, 0.0, None, "gb300"), step_workload(split, [], 256, 0.0, None, "gb300")
+    assert b.flops_per_device == a.flops_per_device
+    assert b.executed[0] - a.executed[0] == pytest.approx((up - projection) * u * tokens)
+    assert b.executed[1] - a.executed[1] == pytest.approx(-projection * u * tokens)  # mxfp8: attention is FP8
 
 
 def test_recomputed_fp8_gemms_run_at_the_fp8_peak():

@@ -96,6 +96,7 @@ from maxmoe.analysis.hlo_widened import MOVING, narrowed_operands
 from maxmoe.analysis.lowering import a2a_independent_chains
 from maxmoe.config import ZERO1_REDUCTION, Config, ConfigError
 from maxmoe.flops import (
+    context_flops_per_token,
     count_params,
     flops_per_token,
     flops_per_token_by_class,
@@ -360,12 +361,15 @@ def step_workload(
     fp8 = fp8_gemm_classes(config.model.fp8, arch)
     by_class = flops_per_token_by_class(config.model, t.seq_len)
     again = recompute_flops_per_token(config.model, t.seq_len)
+    moved = context_flops_per_token(config.model, config.mesh.context)  # the latent core's up-projections
     model_fp8 = sum(by_class[k] for k in fp8)
+    executed = sum(by_class.values()) + sum(again.values()) + sum(moved.values())
+    executed_fp8 = model_fp8 + sum(again[k] for k in fp8) + sum(v for k, v in moved.items() if k in fp8)
     workload = dataclasses.replace(
         workload,
         fp8_flops_per_device=model_fp8 * per_device,
-        executed_flops_per_device=(sum(by_class.values()) + sum(again.values())) * per_device,
-        fp8_executed_flops_per_device=(model_fp8 + sum(again[k] for k in fp8)) * per_device,
+        executed_flops_per_device=executed * per_device,
+        fp8_executed_flops_per_device=executed_fp8 * per_device,
         a2a_independent_chains=a2a_independent_chains,
     )
     if pipeline is not None:  # the imbalance on this system (FP8 pieces run faster), whatever the stored one's
