@@ -51,8 +51,9 @@ per device:
               on those stages.
   prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
               GPU, MFU and bound (step_workload): model FLOPs for throughput, executed FLOPs
-              (model.remat's recompute added) for time, each split into the GEMM classes the
-              recipe runs in FP8 on the system and the rest; the collectives as the GPU moves
+              (model.remat's recompute and context parallelism's up-projections added) for
+              time, each split into the GEMM classes the recipe runs in FP8 on the system and
+              the rest; the collectives as the GPU moves
               them, by tier, pass and whether they sit in a loop, their launches counted after
               the system's xla_flags combine thresholds; memory; whether the expert all-to-all
               has independent chains to hide under (moe.overlap=batch_split, read from one MoE

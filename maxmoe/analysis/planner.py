@@ -8,7 +8,8 @@ xla.profile). The model, per device and per step; every constant is a field of
 
   compute     t_c = (X - X8) / (peak_bf16 x e) + X8 / (peak_fp8 x e), e = compute_efficiency.
               X: executed FLOPs (model FLOPs plus what model.remat runs again:
-              maxmoe.flops.recompute_flops_per_token); X8: the part in the GEMM classes the
+              maxmoe.flops.recompute_flops_per_token, and with mesh.context > 1 the latent
+              core's up-projections: context_flops_per_token); X8: the part in the GEMM classes the
               recipe and the system's kernels run in FP8 (maxmoe.flops.fp8_gemm_classes: under
               mxfp8 and tensorwise the routed experts run bf16 kernels). Model FLOPs give
               TFLOP/s per GPU and MFU; MFU is against the peak of the precision each class
