@@ -157,12 +157,18 @@ RECOMPUTED_CLASSES = {
 }
 
 
-def recompute_flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
-    """FLOPs per token that `model.remat` runs again (a forward pass: a third of the training
-    FLOPs) of each GEMM class, in the scanned blocks only (the main model's layers, not MTP)."""
+def recomputed_classes(m: ModelConfig) -> tuple[str, ...]:
+    """The GEMM classes `model.remat` runs forward again (RECOMPUTED_CLASSES)."""
     classes = RECOMPUTED_CLASSES.get(m.remat)
     if classes is None:
         raise ValueError(f"model.remat={m.remat!r}: no recompute table entry")
+    return classes
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
+    """FLOPs per token that `model.remat` runs again (a forward pass: a third of the training
+    FLOPs) of each GEMM class, in the scanned blocks only (the main model's layers, not MTP)."""
+    classes = recomputed_classes(m)
     main = dataclasses.replace(m, mtp_num_layers=0)
     by_class = flops_per_token_by_class(main, seq_len)
     return {k: (by_class[k] / 3.0 if k in classes else 0.0) for k in GEMM_CLASSES if k != "head"}
@@ -184,9 +190,7 @@ def context_flops_per_token(m: ModelConfig, context: int) -> dict[str, float]:
         return {}
     u = m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
     layers = m.num_layers + m.mtp_num_layers  # every attention block
-    classes = RECOMPUTED_CLASSES.get(m.remat)
-    if classes is None:
-        raise ValueError(f"model.remat={m.remat!r}: no recompute table entry")
+    classes = recomputed_classes(m)
     again = m.num_layers if "attention_core" in classes else 0  # scanned blocks (MTP's is not rematerialised)
     projection_again = m.num_layers if "attention" in classes else 0
     return {
@@ -226,9 +230,7 @@ def pipeline_piece_flops_per_token(
     rematerialised) and the head again, as `head`. classes: only the FLOPs of these GEMM
     classes (flops_per_token_by_class's names; the head and MTP's projection are "head").
     """
-    recomputed = RECOMPUTED_CLASSES.get(m.remat)
-    if recomputed is None:
-        raise ValueError(f"model.remat={m.remat!r}: no recompute table entry")
+    recomputed = recomputed_classes(m)
     d = m.hidden_size
     expert = 6.0 * 3 * d * m.moe_mlp_dim
     shared = {
