@@ -39,6 +39,7 @@ ZERO1_REDUCTION = "reduce_to_zero1"
 SIZED_MESH_AXES = tuple(a for a in MESH_AXES if a != REPLICA_AXIS)  # the axes mesh.<axis> sizes
 OPTIONAL_MESH_AXES = ("pipeline", REPLICA_AXIS, CONTEXT_AXIS)  # left out of a mesh where their size is 1
 ACROSS_DOMAINS = ("fsdp", "zero1")  # mesh.across_domains (docs/SHARDING.md, "Two tiers")
+TWO_TIER_OPTIONS = ("gather_once", "reduce_per_layer", "sum_per_layer")  # mesh.* of the zero1 step only
 PIPELINE_RESIDUALS = ("vjp", "recompute")  # maxmoe.parallel.pipeline
 DISPATCH_STRATEGIES = ("ragged_a2a", "allgather", "capacity")  # maxmoe.parallel.dispatch
 GROUPED_MATMUL_BACKENDS = ("ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")  # maxmoe.kernels.grouped_matmul
@@ -248,6 +249,12 @@ class MeshConfig:
         doc="under across_domains=zero1: the cross-domain gradient reduce-scatter of each layer-stack weight "
         "runs inside the last micro-batch's backward pass, layer by layer as its gradient is complete (under "
         "the remaining layers' compute), not after the micro-batch loop; the bytes are the same",
+    )
+    sum_per_layer: bool = _field(
+        False,
+        doc="under across_domains=zero1: each micro-batch's gradient of a layer-stack weight is added to its "
+        "float32 sum inside the backward layer loop, layer by layer, not written to a per-micro-batch "
+        "gradient stack first (one compute-dtype copy of the layer stacks less; the same sums)",
     )
     rules: dict = _field(
         DEFAULT_RULES,
@@ -713,7 +720,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"mesh.{axis}={size}: must be a positive size or -1 (fill)")
     if sum(getattr(mesh, a) == -1 for a in SIZED_MESH_AXES) > 1:
         raise ConfigError("only one of mesh.data, mesh.expert, mesh.tensor may be -1")
-    for option in ("gather_once", "reduce_per_layer"):
+    for option in TWO_TIER_OPTIONS:
         if getattr(mesh, option) and mesh.across_domains != "zero1":
             raise ConfigError(
                 f"mesh.{option}=true applies to the two-tier step: set mesh.across_domains=zero1 "

@@ -44,6 +44,7 @@ from maxmoe.config import (
     MESH_AXES,
     OPTIONAL_MESH_AXES,
     REPLICA_AXIS,
+    TWO_TIER_OPTIONS,
     Config,
     ConfigError,
     check_mesh_fits,
@@ -118,7 +119,7 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
     domains = device_domains(devices, config.mesh.scale_up_domain)
     counts = sorted({domains.count(x) for x in set(domains)})
     sizes = split_replicas(config, resolve_shape(config, len(devices)), counts[0])
-    for option in ("gather_once", "reduce_per_layer"):
+    for option in TWO_TIER_OPTIONS:
         if getattr(config.mesh, option) and sizes[REPLICA_AXIS] == 1:
             raise ConfigError(
                 f"mesh.{option}=true applies to the two-tier step, which these devices do not run: "

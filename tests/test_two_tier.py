@@ -10,12 +10,16 @@ the same config on one device; one compiled two-tier program serves every test:
 - a checkpoint written under mode fsdp restores into zero1 and back with identical values;
 - mesh.gather_once: the same losses, eval and gradients, and no weight but the experts'
   gathered per layer and micro-batch (which the plain two-tier program does);
-- mesh.reduce_per_layer: the same losses, eval and gradients; every layer-stack weight's
-  cross-domain reduce-scatter inside the backward layer loop (once per layer), the same bytes
-  across domains as the plain step, and ZeRO-1 shards that keep `layers` whole.
+- mesh.reduce_per_layer (with sum_per_layer): the same losses, eval and gradients; every
+  layer-stack weight's cross-domain reduce-scatter inside the backward layer loop (once per
+  layer), the same bytes across domains as the plain step, and ZeRO-1 shards that keep
+  `layers` whole;
+- mesh.sum_per_layer: the gradients of the plain two-tier step, and no per-micro-batch
+  gradient stack of the experts (the compiled step's temporaries fall by at least its bytes).
 """
 
 import collections
+import math
 import re
 from pathlib import Path
 
@@ -101,7 +105,10 @@ def gathered_once():
 
 @pytest.fixture(scope="module")
 def per_layer():
-    return run(config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.reduce_per_layer=true"), jax.devices())
+    # With mesh.sum_per_layer: the first micro-batch's sums, made inside its layer loops, are
+    # what the last one's per-layer reduction adds its gradients to.
+    options = ("mesh.across_domains=zero1", "mesh.reduce_per_layer=true", "mesh.sum_per_layer=true")
+    return run(config_for(*DOMAINS, *options), jax.devices())
 
 
 @pytest.mark.slow
@@ -152,7 +159,7 @@ def per_layer_gathers(result) -> list[tuple[str, str, float]]:
     )
 
 
-@pytest.mark.parametrize("option", ["gather_once", "reduce_per_layer"])
+@pytest.mark.parametrize("option", ["gather_once", "reduce_per_layer", "sum_per_layer"])
 def test_two_tier_options_need_more_than_one_domain(option):
     config = config_for("mesh.data=4", "mesh.expert=2", "mesh.across_domains=zero1", f"mesh.{option}=true")
     with pytest.raises(ConfigError, match=f"mesh.{option}=true .* found one replica"):
@@ -279,12 +286,45 @@ def test_reduce_per_layer_reduces_each_layer_inside_the_backward_loop(two_tier, 
 def test_reduce_per_layer_lowers_for_cuda():
     """The GPU program (lowered for CUDA, the kernels auto picks): one reduce-scatter per
     layer-stack weight, in the stacks' backward loops (the plain two-tier step has none: its
-    cross-domain reduction is XLA's, after the loop)."""
+    cross-domain reduction is XLA's, after the loop). With mesh.sum_per_layer, whose
+    micro-batches before the last sum their gradients inside the loops too."""
     from maxmoe.analysis.lowering import lower_train_step
 
     shapes = ["model.compute_dtype=bfloat16", "model.hidden_size=128", "model.moe_mlp_dim=64"]
-    config = config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.reduce_per_layer=true", *shapes)
+    options = ["mesh.across_domains=zero1", "mesh.reduce_per_layer=true", "mesh.sum_per_layer=true"]
+    config = config_for(*DOMAINS, *options, *shapes)
     params = nn.unbox(abstract_variables(config.model, boxed=True)["params"])
     hooked = [p for p in traverse_util.flatten_dict(params) if p[0].endswith("_layers") and not uses_float32(p)]
     text = lower_train_step(config, "cuda").as_text()
     assert len(re.findall(r"stablehlo\.reduce_scatter", text)) == len(hooked)
+
+
+@pytest.mark.slow
+def test_sum_per_layer_sums_inside_the_layer_loop():
+    # Experts 32 x 1024 (the stacks' gradients dominate what a step holds) and remat full (no
+    # saved activations beside them): one step of the plain two-tier program and one with
+    # mesh.sum_per_layer, from the same state and batch.
+    shapes = ["model.moe_mlp_dim=1024", "model.num_layers=4", "model.remat=full", "mesh.across_domains=zero1"]
+    results, host = {}, None
+    for summing in (False, True):
+        config = config_for(*DOMAINS, *shapes, f"mesh.sum_per_layer={str(summing).lower()}")
+        programs = build_programs(config, build_layout(config))
+        compiled = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config)).lower().compile()
+        host = jax.tree.map(np.asarray, programs.init(jax.random.key(0))) if host is None else host
+        state = jax.device_put(host, programs.state_shardings)  # the step donates it
+        stepped, metrics = compiled(state, jax.device_put(batches(config)[0], programs.batch_sharding))
+        grads = jax.tree.map(lambda m: np.asarray(m) / (1 - B1), stepped.opt_state[0].mu)
+        results[summing] = (float(metrics["loss"]), grads, compiled.memory_analysis().temp_size_in_bytes)
+    (loss, grads, plain_temp), (summed_loss, summed_grads, summed_temp) = results[False], results[True]
+    # The same float32 sums of the same per-layer gradients, added inside the loop instead of after it.
+    assert summed_loss == pytest.approx(loss, rel=1e-6)
+    assert_gradients_match(summed_grads, grads)
+    # What the plain step holds and this one does not: each micro-batch's gradient stack of the
+    # routed experts ([layers, experts per device, ...] of w_gate, w_up, w_down; float32 here).
+    layout = build_layout(config)
+    boxed = abstract_variables(config.model, boxed=True)["params"]
+    shardings = traverse_util.flatten_dict(layout.tree_shardings(boxed))
+    weights = traverse_util.flatten_dict(nn.unbox(boxed))
+    experts = [p for p in weights if p[:2] == ("moe_layers", "moe") and p[2].startswith("w_")]
+    stack = sum(math.prod(shardings[p].shard_shape(weights[p].shape)) * 4 for p in experts)
+    assert len(experts) == 3 and plain_temp - summed_temp >= stack, (plain_temp, summed_temp, stack)

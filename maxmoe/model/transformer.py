@@ -21,7 +21,17 @@ from jax.ad_checkpoint import checkpoint_name
 from maxmoe.config import ModelConfig
 from maxmoe.kernels.fp8_matmul import FP8_DENSE_OUT
 from maxmoe.model.attention import MLA, attention_for_length
-from maxmoe.model.layers import LAYER_GRAD, LAYER_GRAD_ADD, Embed, RMSNorm, SwiGLU, constrain, logical_param
+from maxmoe.model.layers import (
+    LAYER_GRAD,
+    LAYER_GRAD_ADD,
+    LAYER_INDEX,
+    LAYER_SUM,
+    Embed,
+    RMSNorm,
+    SwiGLU,
+    constrain,
+    logical_param,
+)
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.dispatch import COMM_NAMES, EXPERT_MATMUL_NAMES
 
@@ -87,7 +97,8 @@ def _stack(config: ModelConfig, moe: bool, length: int, name: str, dtype, layout
         block = nn.remat(Block, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
     scanned = nn.scan(
         block,
-        variable_axes={"params": 0, "router": 0, "moe_stats": 0, LAYER_GRAD: 0, LAYER_GRAD_ADD: 0},
+        variable_axes={"params": 0, "router": 0, "moe_stats": 0, LAYER_GRAD: 0, LAYER_GRAD_ADD: 0, LAYER_INDEX: 0},
+        variable_carry=LAYER_SUM,
         split_rngs={"params": True},
         in_axes=(nn.broadcast,),
         length=length,

@@ -47,6 +47,8 @@ class Layout:
         layer_grads: mesh.reduce_per_layer (ZeRO-1 splits no `layers` dimension).
         layer_grad_hook: set by the two-tier step for its last micro-batch only
             (maxmoe.parallel.replicas.LayerGrads; the model calls it from logical_param).
+        layer_sum_hook: set by a step that sums gradients inside the backward layer loop
+            (maxmoe.training.layer_sums.LayerSums; called from logical_param too).
     """
 
     mesh: Mesh
@@ -57,6 +59,7 @@ class Layout:
     attention: Any = None
     layer_grads: bool = False
     layer_grad_hook: Any = None
+    layer_sum_hook: Any = None
 
     @property
     def shape(self) -> dict[str, int]:

@@ -129,17 +129,32 @@ def _on_domain(mesh, in_domain_specs: Any) -> Callable:
     return constrain
 
 
-def _sum_micro_batches(grad_fn: Callable, compute, extra, micro, count: int, on_domain: Callable) -> tuple:
+def adding(grad_fn: Callable) -> Callable:
+    """grad_fn(params, extra, batch) -> ((loss, aux), grads) as sum_fn(params, extra, batch, sums)
+    -> ((loss, aux), sums + grads): each gradient added to its sum in the sum's dtype."""
+
+    def sum_fn(params, extra, batch, sums):
+        (loss, aux), grads = grad_fn(params, extra, batch)
+        return (loss, aux), jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), sums, grads)
+
+    return sum_fn
+
+
+def _sum_micro_batches(sum_fn: Callable, compute, extra, micro, count: int, on_domain: Callable) -> tuple:
     """(loss, aux, grads) summed over the first `count` of the micro-batches `micro` (a scan; zeros
-    for 0), gradients in float32 (`_sum_dtype`) on the in-domain shardings."""
-    shapes = jax.eval_shape(grad_fn, compute, extra, jax.tree.map(lambda x: x[0], micro))
-    (loss, aux), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), shapes)
+    for 0), gradients in float32 (`_sum_dtype`) on the in-domain shardings.
+
+    sum_fn(params, extra, batch, sums) -> ((loss, aux), sums plus the batch's gradients):
+    `adding(grad_fn)`, or maxmoe.training.layer_sums.summing_grad_fn (sums inside the layer loop).
+    """
+    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, _sum_dtype(x.dtype)), compute)
+    (loss, aux), _ = jax.eval_shape(sum_fn, compute, extra, jax.tree.map(lambda x: x[0], micro), grads)
+    (loss, aux), grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ((loss, aux), grads))
 
     def body(carry, mb):
         loss, aux, grads = carry
-        (loss_m, aux_m), grads_m = grad_fn(compute, extra, mb)
-        grads = on_domain(jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads, grads_m))
-        return (loss + loss_m, jax.tree.map(jnp.add, aux, aux_m), grads), None
+        (loss_m, aux_m), grads = sum_fn(compute, extra, mb, grads)
+        return (loss + loss_m, jax.tree.map(jnp.add, aux, aux_m), on_domain(grads)), None
 
     carry = (loss, aux, on_domain(grads))
     if count:
@@ -148,10 +163,11 @@ def _sum_micro_batches(grad_fn: Callable, compute, extra, micro, count: int, on_
     return carry
 
 
-def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -> Callable:
+def make_accumulate(sum_fn: Callable, accum: int, mesh, in_domain_specs: Any) -> Callable:
     """accumulate(compute, extra, batch) -> (loss_R, aux_R, grads_R): each replica's sums over its micro-batches.
 
-    grad_fn(params, extra, micro_batch) -> ((loss, aux), grads). `compute` and `extra` enter
+    sum_fn(params, extra, micro_batch, sums) -> ((loss, aux), sums + grads) (`adding`,
+    `_sum_micro_batches`). `compute` and `extra` enter
     replicated over `replica`, `batch` sharded over it (rows replica-major). Every output
     gets a leading dimension of size R (one entry per replica, sharded over `replica`);
     gradients are float32 sums constrained to `in_domain_specs` on every micro-batch.
@@ -159,7 +175,7 @@ def make_accumulate(grad_fn: Callable, accum: int, mesh, in_domain_specs: Any) -
 
     def per_replica(compute, extra, batch):
         micro = micro_batches(batch, accum)
-        sums = _sum_micro_batches(grad_fn, compute, extra, micro, accum, _on_domain(mesh, in_domain_specs))
+        sums = _sum_micro_batches(sum_fn, compute, extra, micro, accum, _on_domain(mesh, in_domain_specs))
         return jax.tree.map(lambda x: x[None], sums)
 
     return over_replicas(per_replica, mesh)
@@ -282,7 +298,7 @@ def assemble_layer_grads(layer: dict, plan: dict, zero1: dict, scale: float) -> 
 
 
 def make_accumulate_layer_grads(
-    grad_fn: Callable, last_grad_fn: Callable, plan: dict, accum: int, mesh, in_domain_specs: Any
+    sum_fn: Callable, last_grad_fn: Callable, plan: dict, accum: int, mesh, in_domain_specs: Any
 ) -> Callable:
     """accumulate(compute, extra, batch) -> (loss_R, aux_R, grads_R, layer) under mesh.reduce_per_layer.
 
@@ -303,7 +319,7 @@ def make_accumulate_layer_grads(
     def per_replica(compute, extra, batch):
         micro = micro_batches(batch, accum)
         loss, aux, grads = _sum_micro_batches(
-            grad_fn, compute, extra, micro, accum - 1, _on_domain(mesh, in_domain_specs)
+            sum_fn, compute, extra, micro, accum - 1, _on_domain(mesh, in_domain_specs)
         )
         grads = traverse_util.flatten_dict(grads)
         last = jax.tree.map(lambda x: x[-1], micro)

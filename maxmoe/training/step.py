@@ -27,7 +27,7 @@ import optax
 from flax import traverse_util
 
 from maxmoe.config import Config
-from maxmoe.model.layers import LAYER_GRAD, LAYER_GRAD_ADD
+from maxmoe.model.layers import LAYER_GRAD, LAYER_GRAD_ADD, LAYER_SUM
 from maxmoe.model.transformer import (
     COMPUTE_DTYPES,
     abstract_variables,
@@ -38,6 +38,7 @@ from maxmoe.model.transformer import (
     uses_float32,
 )
 from maxmoe.parallel import replicas
+from maxmoe.training import layer_sums
 from maxmoe.training.loss import cross_entropy, head_cross_entropies
 
 
@@ -110,12 +111,20 @@ def make_loss_fn(config: Config, layout: Any = None) -> Callable:
     hidden_only = config.train.loss_chunk > 0
 
     def loss_fn(params, router, batch_BT, more=None):
-        """more: further variable collections (maxmoe.model.layers.LAYER_GRAD and LAYER_GRAD_ADD)."""
+        """more: further variable collections (maxmoe.model.layers: LAYER_GRAD and LAYER_GRAD_ADD,
+        or LAYER_SUM and LAYER_INDEX; with running sums the loss gets `layer_sums.seed` of the
+        sums the model carried out, value 0)."""
+        more = more or {}
         tokens, targets = batch_BT[:, :-1], batch_BT[:, 1:]
+        summing = LAYER_SUM in more
         (main, mtp), variables = model.apply(
-            {"params": params, "router": router, **(more or {})}, tokens, hidden_only=hidden_only, mutable=["moe_stats"]
+            {"params": params, "router": router, **more},
+            tokens,
+            hidden_only=hidden_only,
+            mutable=["moe_stats", LAYER_SUM] if summing else ["moe_stats"],
         )
-        return output_loss(params["head"], main, mtp, targets, variables.get("moe_stats", {}))
+        loss, aux = output_loss(params["head"], main, mtp, targets, variables.get("moe_stats", {}))
+        return (loss + layer_sums.seed(variables[LAYER_SUM]), aux) if summing else (loss, aux)
 
     return loss_fn
 
@@ -249,9 +258,10 @@ def _two_tier_grads(config: Config, layout: Any) -> Callable:
     grad_fn = jax.value_and_grad(make_loss_fn(config, layout), has_aux=True)
     accum, r = config.train.grad_accum, layout.replicas
     in_domain_specs = jax.tree.map(lambda s: s.spec, in_domain)
+    sum_fn = _micro_batch_sums(config, layout, boxed, grad_fn, in_domain_specs)
     if config.mesh.reduce_per_layer:
-        return _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, grad_fn, in_domain_specs)
-    accumulate = replicas.make_accumulate(grad_fn, accum, layout.mesh, in_domain_specs)
+        return _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, sum_fn, in_domain_specs)
+    accumulate = replicas.make_accumulate(sum_fn, accum, layout.mesh, in_domain_specs)
 
     def grads_fn(params, router, batch_BT):
         loss_R, aux_R, grads_R = accumulate(copy(params), router, batch_BT)
@@ -262,7 +272,21 @@ def _two_tier_grads(config: Config, layout: Any) -> Callable:
     return grads_fn
 
 
-def _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, grad_fn, in_domain_specs) -> Callable:
+def _micro_batch_sums(config: Config, layout: Any, boxed: Any, grad_fn: Callable, in_domain_specs: Any) -> Callable:
+    """sum_fn(params, extra, micro_batch, sums) -> ((loss, aux), sums + gradients) for the two-tier step.
+
+    Under mesh.sum_per_layer the layer stacks' weights add their gradients to the sums inside
+    the backward layer loop (maxmoe.training.layer_sums); otherwise each micro-batch's
+    gradients are taken whole, then added (replicas.adding).
+    """
+    if not config.mesh.sum_per_layer:
+        return replicas.adding(grad_fn)
+    paths = layer_sums.stacked_paths(nn.get_partition_spec(boxed), float32_leaves(boxed))
+    hook = layer_sums.LayerSums(layer_sums.layer_specs(paths, in_domain_specs), layout.mesh)
+    return layer_sums.summing_grad_fn(make_loss_fn(config, dataclasses.replace(layout, layer_sum_hook=hook)), paths)
+
+
+def _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, sum_fn, in_domain_specs) -> Callable:
     """_two_tier_grads under mesh.reduce_per_layer: the layer stacks' weights reduce-scatter across
     domains inside the last micro-batch's backward pass, one layer at a time
     (maxmoe.parallel.replicas.LayerGrads); the other weights after the loop, as before."""
@@ -274,7 +298,7 @@ def _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, grad_fn, in_do
     def last_grad_fn(params, router, batch_BT, into, add):
         return last_loss(params, router, batch_BT, {LAYER_GRAD: into, LAYER_GRAD_ADD: add})
 
-    accumulate = replicas.make_accumulate_layer_grads(grad_fn, last_grad_fn, plan, accum, layout.mesh, in_domain_specs)
+    accumulate = replicas.make_accumulate_layer_grads(sum_fn, last_grad_fn, plan, accum, layout.mesh, in_domain_specs)
     flat_zero1 = traverse_util.flatten_dict(zero1)
 
     def grads_fn(params, router, batch_BT):
