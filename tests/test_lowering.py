@@ -24,9 +24,8 @@ from maxmoe.parallel.layout import build_layout
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SMALL = ["mesh.data=2", "mesh.expert=4", "train.batch_size=8", "train.seq_len=16"]
-# A policy that keeps what collectives produced. The 671B plans run remat full: beside the
-# two-tier step's weight copy and gradient sums, save_comm's kept all-to-all outputs do not
-# fit a GB300 (docs/PERFORMANCE.md); save_comm is what a plan with room would choose.
+# A policy that keeps what collectives produced (the smallest of COMM_SAVING_POLICIES; the GB300
+# plans run save_moe, which keeps the expert GEMMs' gate/up outputs too: docs/PERFORMANCE.md).
 SAVING_REMAT = "save_comm"
 # What a recomputed forward pass would add again: the dispatch's collectives.
 DISPATCH_COLLECTIVES = ("ragged_all_to_all", "all_to_all", "all_gather")
