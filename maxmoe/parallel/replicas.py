@@ -22,6 +22,10 @@ f32 sum, across domains as soon as that layer's backward is done, one reduce-sca
 weight and layer, beside the layers still to run; the same bytes, no longer after the loop.
 It is the one place inside the per-replica region that names `replica`.
 
+Under mesh.sum_per_layer each micro-batch adds the layer stacks' weight gradients to the
+float32 sums inside its backward layer loop (maxmoe.training.layer_sums, the `sum_fn` the
+accumulations take), so no micro-batch's gradient stack is held beside the sums.
+
 Why a shard_map: under plain GSPMD the gradient of a weight replicated over `replica`,
 taken on a batch sharded over it, is a sum over the whole batch, so XLA reduces it across
 domains inside the loop, once per micro-batch. A manual axis keeps per-replica partial
@@ -166,11 +170,11 @@ def _sum_micro_batches(sum_fn: Callable, compute, extra, micro, count: int, on_d
 def make_accumulate(sum_fn: Callable, accum: int, mesh, in_domain_specs: Any) -> Callable:
     """accumulate(compute, extra, batch) -> (loss_R, aux_R, grads_R): each replica's sums over its micro-batches.
 
-    sum_fn(params, extra, micro_batch, sums) -> ((loss, aux), sums + grads) (`adding`,
-    `_sum_micro_batches`). `compute` and `extra` enter
-    replicated over `replica`, `batch` sharded over it (rows replica-major). Every output
-    gets a leading dimension of size R (one entry per replica, sharded over `replica`);
-    gradients are float32 sums constrained to `in_domain_specs` on every micro-batch.
+    sum_fn(params, extra, micro_batch, sums) -> ((loss, aux), sums + grads) (`_sum_micro_batches`).
+    `compute` and `extra` enter replicated over `replica`, `batch` sharded over it (rows
+    replica-major). Every output gets a leading dimension of size R (one entry per replica,
+    sharded over `replica`); gradients are float32 sums constrained to `in_domain_specs` on
+    every micro-batch.
     """
 
     def per_replica(compute, extra, batch):

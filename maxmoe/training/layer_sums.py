@@ -104,10 +104,10 @@ def summing_grad_fn(loss_fn: Callable, paths: list[tuple]) -> Callable:
     """fn(params, extra, batch, sums) -> ((loss, aux), sums + this batch's gradients).
 
     loss_fn(params, extra, batch, more) -> (loss, aux): its model built on a layout whose
-    `layer_sum_hook` is a `LayerSums`, and, given running sums in `more` (LAYER_SUM), the
-    loss plus `seed` of the sums the model returns (maxmoe.training.step.make_loss_fn). sums: a tree like params of float32 running sums. The
-    leaves at `paths` (scanned stacks) are summed inside the backward layer loop; the others
-    are differentiated and added as usual.
+    `layer_sum_hook` is a `LayerSums`, and, given running sums in `more` (LAYER_SUM), the loss
+    plus `seed` of the sums the model returns (maxmoe.training.step.make_loss_fn). sums: a tree
+    like params of float32 running sums. The leaves at `paths` (scanned stacks) are summed
+    inside the backward layer loop; the others are differentiated and added as usual.
     """
     held_paths = set(paths)
 
