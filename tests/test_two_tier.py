@@ -301,10 +301,12 @@ def test_reduce_per_layer_lowers_for_cuda():
 
 @pytest.mark.slow
 def test_sum_per_layer_sums_inside_the_layer_loop():
-    # Experts 32 x 1024 (the stacks' gradients dominate what a step holds) and remat full (no
-    # saved activations beside them): one step of the plain two-tier program and one with
-    # mesh.sum_per_layer, from the same state and batch.
-    shapes = ["model.moe_mlp_dim=1024", "model.num_layers=4", "model.remat=full", "mesh.across_domains=zero1"]
+    # Two MoE layers alone (no dense layer or MTP: less to compile), experts 32 x 1024 (the
+    # stack's gradients dominate what a step holds) and remat full (no saved activations beside
+    # them): one step of the plain two-tier program and one with mesh.sum_per_layer, from the
+    # same state and batch.
+    model = ["model.num_layers=2", "model.first_k_dense=0", "model.mtp_num_layers=0", "model.moe_mlp_dim=1024"]
+    shapes = [*model, "model.remat=full", "mesh.across_domains=zero1"]
     results, host = {}, None
     for summing in (False, True):
         config = config_for(*DOMAINS, *shapes, f"mesh.sum_per_layer={str(summing).lower()}")
