@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxmoe.config import REPLICA_AXIS, ZERO1_REDUCTION
 from maxmoe.kernels.shard_context import axes_of, context_sharding, shard_map_in_context
+from maxmoe.parallel.layer_hooks import route_gradient, stacked_paths
 
 REPLICA = REPLICA_AXIS
 
@@ -209,12 +210,10 @@ def plan_layer_grads(zero1: Any, logical: Any, keep_f32: Any, mesh_shape: dict[s
     small, reduced after the loop with the rest). A leaf qualifies when `replica` splits one of
     its dimensions other than `layers` (Layout.zero1_shardings under mesh.reduce_per_layer).
     """
-    flat_z, flat_l, flat_k = (traverse_util.flatten_dict(t) for t in (zero1, logical, keep_f32))
+    flat_z = traverse_util.flatten_dict(zero1)
     plan = {}
-    for path, sharding in flat_z.items():
-        names = tuple(flat_l[path]) if flat_l[path] is not None else ()
-        if not names or names[0] != "layers" or flat_k[path]:
-            continue
+    for path in stacked_paths(logical, keep_f32):
+        sharding = flat_z[path]
         entries = [axes_of(e) for e in sharding.spec]
         dims = [i for i, axes in enumerate(entries) if REPLICA in axes]
         if not dims or dims[0] == 0 or entries[dims[0]][-1] != REPLICA:
@@ -248,13 +247,6 @@ class LayerGrads:
         r = self.replicas
         share = into.shape
 
-        @jax.custom_vjp
-        def hook(w, into, add):
-            return w
-
-        def forward(w, into, add):
-            return w, add
-
         def backward(add, ct):
             with jax.named_scope(ZERO1_REDUCTION):
                 # The in-domain reduction first, in the cotangent's dtype, as a reduce-scatter onto
@@ -273,10 +265,9 @@ class LayerGrads:
                     out_specs=g.split,
                     check_vma=False,
                 )(total.reshape(split))
-                return None, x.reshape(share), None
+                return x.reshape(share)
 
-        hook.defvjp(forward, backward)
-        return hook(w, into, add)
+        return route_gradient(w, into, add, backward)
 
 
 def layer_grad_shape(shape: tuple, g: LayerGrad, replicas: int) -> tuple:

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 from maxmoe.kernels.shard_context import context_sharding
 from maxmoe.model.layers import LAYER_INDEX, LAYER_SUM
+from maxmoe.parallel.layer_hooks import route_gradient
 
 
 @jax.custom_vjp
@@ -70,28 +71,11 @@ class LayerSums:
     def __call__(self, path: tuple, w, sums, index):
         spec = self.specs[path]
 
-        @jax.custom_vjp
-        def hook(w, sums, index):
-            return w
-
-        def forward(w, sums, index):
-            return w, index
-
         def backward(index, ct):
             ct = jax.lax.with_sharding_constraint(ct.astype(sums.dtype), context_sharding(self.mesh, spec))
-            row = jax.lax.dynamic_update_index_in_dim(jnp.zeros(sums.shape, sums.dtype), ct, index, 0)
-            return None, row, None
+            return jax.lax.dynamic_update_index_in_dim(jnp.zeros(sums.shape, sums.dtype), ct, index, 0)
 
-        hook.defvjp(forward, backward)
-        return hook(w, sums, index)
-
-
-def stacked_paths(logical: Any, keep_f32: Any) -> list[tuple]:
-    """Paths of the weights of scanned layer stacks (logical axes starting with `layers`) that
-    the model uses in the compute dtype: the modules holding the float32 ones (norms, the
-    router) take no layout, so no hook; they are small and summed after the loop."""
-    flat, f32 = traverse_util.flatten_dict(logical), traverse_util.flatten_dict(keep_f32)
-    return [p for p, names in flat.items() if names is not None and tuple(names)[:1] == ("layers",) and not f32[p]]
+        return route_gradient(w, sums, index, backward)
 
 
 def layer_specs(paths: list[tuple], in_domain_specs: Any) -> dict[tuple, PartitionSpec]:

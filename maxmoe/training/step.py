@@ -37,7 +37,7 @@ from maxmoe.model.transformer import (
     shift_left,
     uses_float32,
 )
-from maxmoe.parallel import replicas
+from maxmoe.parallel import layer_hooks, replicas
 from maxmoe.training import layer_sums
 from maxmoe.training.loss import cross_entropy, head_cross_entropies
 
@@ -281,7 +281,7 @@ def _micro_batch_sums(config: Config, layout: Any, boxed: Any, grad_fn: Callable
     """
     if not config.mesh.sum_per_layer:
         return replicas.adding(grad_fn)
-    paths = layer_sums.stacked_paths(nn.get_partition_spec(boxed), float32_leaves(boxed))
+    paths = layer_hooks.stacked_paths(nn.get_partition_spec(boxed), float32_leaves(boxed))
     hook = layer_sums.LayerSums(layer_sums.layer_specs(paths, in_domain_specs), layout.mesh)
     return layer_sums.summing_grad_fn(make_loss_fn(config, dataclasses.replace(layout, layer_sum_hook=hook)), paths)
 
