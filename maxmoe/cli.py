@@ -13,8 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from maxmoe.config import Config, UserError, _all_keys, describe_keys, load_config
-from maxmoe.data import resolve_vocab_size
+from maxmoe.config import Config, UserError, all_keys, describe_keys, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +36,7 @@ class _ConfigParser(_Parser):
 
 def option_hint(argv: list[str]) -> str:
     """For `--steps 50` (an option where config takes a key): '; ... train.steps=50'; else ''."""
-    keys = _all_keys()
+    keys = all_keys()
     for index, word in enumerate(argv):
         name = word[2:].split("=", 1)[0].replace("-", "_")
         if not word.startswith("--") or not name:
@@ -68,12 +67,15 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The validated Config named by parsed `--config` files and overrides (model.vocab_size=auto resolved).
+def config_from_args(args: argparse.Namespace, resolve: Callable[[Config], Config] | None = None) -> Config:
+    """The validated Config named by parsed `--config` files and overrides, passed through `resolve`
+    (the entry points give maxmoe.data.resolve_vocab_size: model.vocab_size=auto from the data).
 
-    With `--print-config`, prints it as YAML and exits with status 0.
+    With `--print-config`, prints it (resolved) as YAML and exits with status 0.
     """
-    config = resolve_vocab_size(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    if resolve is not None:
+        config = resolve(config)
     if getattr(args, "print_config", False):
         print(config.to_yaml(), end="")
         sys.exit(0)

@@ -17,10 +17,11 @@ import json
 import sys
 
 from maxmoe import runtime
+from maxmoe.analysis.flops import count_params, flops_per_token
 from maxmoe.analysis.hlo import count_collectives
 from maxmoe.analysis.lowering import lower_train_step, stage_spans
 from maxmoe.cli import config_from_args, main_guard, make_parser
-from maxmoe.flops import count_params, flops_per_token
+from maxmoe.data import resolve_vocab_size
 
 PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")  # jax's platform names ('gpu' is cuda here)
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device-kind", help='GPU model, e.g. "NVIDIA H200" or "NVIDIA GB300"')
     args = parser.parse_args(argv)
-    config = config_from_args(args)
+    config = config_from_args(args, resolve_vocab_size)
 
     if args.lower:
         runtime.set_host_device_count(config.run.cpu_devices)

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from maxmoe.analysis.flops import count_params
 from maxmoe.cli import _Parser, check_output_file, main_guard
 from maxmoe.config import ConfigError, UserError, build_model_config, read_named_file
-from maxmoe.flops import count_params
 from maxmoe.training.progress import format_duration
 
 LAYER_IMBALANCE_KEY = "moe_layer_imbalance"  # per-layer max/mean load lists in metrics.jsonl

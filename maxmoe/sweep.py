@@ -23,7 +23,7 @@ the ragged all-to-all as a stand-in with the native collective's buffers and byt
 `--a2a emulate` as the CPU emulation. The method in full: maxmoe/analysis/dry_run.py.
 
 Without --dry-run: the same shapes on the real devices, timed over --steps steps after
---warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.flops.peak_tflops.
+--warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.analysis.flops.peak_tflops.
 --assume NAME=VALUE sets one planner constant (maxmoe.analysis.assumptions: names, defaults,
 sources; recorded in the JSON); --replan IN.json predicts a stored dry run again under them
 without compiling; --write-config OUT.yaml writes the best-ranked shape that fits (ranked by
@@ -49,13 +49,15 @@ from maxmoe import runtime
 from maxmoe.analysis.assumptions import Assumptions, assume
 from maxmoe.analysis.assumptions import table as assumption_table
 from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
+from maxmoe.analysis.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.analysis.planner import SYSTEMS
 from maxmoe.analysis.sweep_plan import format_predictions, rank, replan_main, with_mesh, write_winner
 from maxmoe.cli import check_output_file, config_from_args, main_guard, make_parser
-from maxmoe.config import MAX_CPU_DEVICES, SIZED_MESH_AXES, Config, ConfigError, UserError
-from maxmoe.flops import flops_per_token, mfu, peak_tflops
-from maxmoe.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
+from maxmoe.config import MAX_CPU_DEVICES, Config, ConfigError, UserError
+from maxmoe.data import resolve_vocab_size
 from maxmoe.parallel.layout import Layout, build_layout
+from maxmoe.parallel.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
+from maxmoe.parallel.names import SIZED_MESH_AXES
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--pipeline {args.pipeline!r}: expected sizes like 1,2,4") from None
     if any(p <= 0 for p in pipelines):
         raise UserError(f"--pipeline {args.pipeline!r}: sizes must be positive")
-    config = config_from_args(args)
+    config = config_from_args(args, resolve_vocab_size)
     if args.devices is None and meshes:
         args.devices = math.prod(meshes[0].values())
     system = args.system or (config.xla.profile if config.xla.profile in SYSTEMS else None)

@@ -98,8 +98,13 @@ CONFIG_CASES = {
     ),
     "vocab over context": (["mesh.context=2", "mesh.rules.vocab=[context]"], "only seq and expert may use the context"),
     "experts not dividing context x expert": (["mesh.context=16"], "num_experts=8 is not divisible by mesh.context"),
-    "weights gathered once without the two-tier step": (["mesh.gather_once=true"], "set mesh.across_domains=zero1"),
-    "per-layer reduction without the two-tier step": (["mesh.reduce_per_layer=true"], "set mesh.across_domains=zero1"),
+    "weights gathered once without the two-tier step": (
+        ["mesh.zero1_gather=per_step"],
+        "set mesh.across_domains=zero1",
+    ),
+    "per-layer reduction without the two-tier step": (["mesh.zero1_reduce=per_layer"], "set mesh.across_domains=zero1"),
+    "a removed key": (["mesh.gather_once=true"], "mesh.gather_once was removed; set mesh.zero1_gather=per_step"),
+    "a removed key with no replacement": (["mesh.sum_per_layer=true"], "mesh.sum_per_layer was removed"),
 }
 
 

@@ -15,7 +15,6 @@ from maxmoe.config import (
     ATTENTION_IMPLEMENTATIONS,
     DISPATCH_STRATEGIES,
     GROUPED_MATMUL_BACKENDS,
-    MESH_AXES,
     XLA_PROFILES,
     Config,
     ConfigError,
@@ -23,6 +22,7 @@ from maxmoe.config import (
     load_config,
 )
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES
+from maxmoe.parallel.names import MESH_AXES
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -284,11 +284,11 @@ def _spelled_out(names) -> re.Pattern:
 @pytest.mark.parametrize(
     "names, home",
     [
-        (MESH_AXES, "config.py"),
-        (DISPATCH_STRATEGIES, "config.py"),
-        (GROUPED_MATMUL_BACKENDS, "config.py"),
-        (ATTENTION_IMPLEMENTATIONS, "config.py"),
-        (XLA_PROFILES, "config.py"),
+        (MESH_AXES, "parallel/names.py"),
+        (DISPATCH_STRATEGIES, "config/moe.py"),
+        (GROUPED_MATMUL_BACKENDS, "config/moe.py"),
+        (ATTENTION_IMPLEMENTATIONS, "config/model.py"),
+        (XLA_PROFILES, "config/xla.py"),
         (EXPERT_WEIGHT_AXES["w_gate"], "parallel/dispatch.py"),
         (EXPERT_WEIGHT_AXES["w_down"], "parallel/dispatch.py"),
     ],

@@ -14,12 +14,13 @@ import pytest
 from conftest import host_init_state
 
 from maxmoe.analysis.hlo import collective_ops, replica_groups
-from maxmoe.config import LATENT_GATHER, load_config
+from maxmoe.config import load_config
 from maxmoe.model import attention
 from maxmoe.model.attention_ops import latent_attention, xla_attention
 from maxmoe.model.rope import apply_rope
 from maxmoe.parallel import context
 from maxmoe.parallel.layout import build_layout
+from maxmoe.parallel.names import LATENT_GATHER
 from maxmoe.training import step as step_lib
 from maxmoe.training.programs import build_programs
 

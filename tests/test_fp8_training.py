@@ -15,9 +15,9 @@ from maxmoe.analysis.lowering import lower_train_step
 from maxmoe.config import ConfigError, load_config
 from maxmoe.kernels.fp8_quant import E4M3, round_trip
 from maxmoe.parallel.collectives import ragged_all_to_all_impl
-from maxmoe.parallel.dispatch import COMM_NAMES
 from maxmoe.parallel.fp8_dispatch import TILE, fp8_ragged_exchange
 from maxmoe.parallel.layout import build_layout
+from maxmoe.parallel.names import COMM_NAMES
 from maxmoe.sweep import with_mesh
 from maxmoe.training.programs import build_programs
 

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import pytest
 from jax.extend import core as jcore
 
+from maxmoe.analysis.flops import count_params, flops_per_token, fp8_flops_per_token
 from maxmoe.config import load_config
 from maxmoe.convert.hf_config import model_config_from_hf
-from maxmoe.flops import count_params, flops_per_token, fp8_flops_per_token
 from maxmoe.model.transformer import abstract_variables, build_model
 
 REPO = Path(__file__).resolve().parents[1]

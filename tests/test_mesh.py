@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxmoe.config import ConfigError, load_config
-from maxmoe.mesh import build_mesh, check_divisible, logical_to_spec, resolve_rules, resolve_shape
 from maxmoe.parallel.layout import build_layout
+from maxmoe.parallel.mesh import build_mesh, check_divisible, logical_to_spec, resolve_rules, resolve_shape
 from maxmoe.training import step as step_lib
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.programs import build_programs
@@ -239,7 +239,7 @@ def test_specs_shard_arrays_as_the_table_says():
 
 def test_partial_rules_merge_over_the_defaults():
     from maxmoe.config import DEFAULT_RULES
-    from maxmoe.mesh import resolve_rules
+    from maxmoe.parallel.mesh import resolve_rules
 
     config = load_config([], ["mesh.rules.vocab=[]", "mesh.rules.batch=[data]"])
     rules = resolve_rules(config)

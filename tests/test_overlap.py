@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.config import DISPATCH_STRATEGIES, REMAT_CHOICES, load_config
+from maxmoe.config import DISPATCH_STRATEGIES, load_config
 from maxmoe.model.transformer import build_model, init_variables
 from maxmoe.parallel.layout import build_layout
+from maxmoe.parallel.names import REMAT_CHOICES
 
 pytestmark = pytest.mark.slow  # one compiled fixture per dispatch strategy
 

@@ -12,6 +12,7 @@ import pytest
 from planner_system import IDEAL, SYSTEM
 
 from maxmoe.analysis.dry_run import as_on_gpu, pipeline_report, step_workload
+from maxmoe.analysis.flops import flops_per_token, pipeline_piece_flops_per_token
 from maxmoe.analysis.planner import (
     GB,
     KINDS,
@@ -29,7 +30,6 @@ from maxmoe.analysis.planner import (
     workload_from_ops,
 )
 from maxmoe.config import load_config
-from maxmoe.flops import flops_per_token, pipeline_piece_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,6 +17,12 @@ from planner_system import IDEAL, SYSTEM
 from maxmoe import sweep
 from maxmoe.analysis import assumptions as assumptions_lib
 from maxmoe.analysis.dry_run import combine_thresholds, step_workload
+from maxmoe.analysis.flops import (
+    PEAK_TFLOPS_BF16,
+    context_flops_per_token,
+    flops_per_token_by_class,
+    recompute_flops_per_token,
+)
 from maxmoe.analysis.hlo import collective_ops, dot_flops_by_pass
 from maxmoe.analysis.planner import (
     GB,
@@ -30,12 +36,6 @@ from maxmoe.analysis.planner import (
     workload_from_ops,
 )
 from maxmoe.config import load_config
-from maxmoe.flops import (
-    PEAK_TFLOPS_BF16,
-    context_flops_per_token,
-    flops_per_token_by_class,
-    recompute_flops_per_token,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

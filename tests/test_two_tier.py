@@ -31,9 +31,9 @@ from flax import traverse_util
 
 from maxmoe.analysis.hlo import collective_ops
 from maxmoe.config import ConfigError, load_config
-from maxmoe.mesh import device_domains
 from maxmoe.model.transformer import abstract_variables, uses_float32
 from maxmoe.parallel.layout import build_layout
+from maxmoe.parallel.mesh import device_domains
 from maxmoe.training.checkpoint import Checkpointer
 from maxmoe.training.programs import build_programs
 

@@ -35,7 +35,7 @@ class System:
     scale_up_gb_s: float  # NVLink, per GPU per direction
     scale_out_gb_s: float  # NICs, per GPU per direction
     domain_gpus: int  # GPUs per NVLink domain
-    arch: str = "hopper"  # hopper or blackwell: which FP8 GEMMs lower (maxmoe.flops.fp8_gemm_classes)
+    arch: str = "hopper"  # hopper or blackwell: which FP8 GEMMs lower (maxmoe.analysis.flops.fp8_gemm_classes)
 
     def peak_tflops(self, precision: str) -> float:
         return {"bf16": self.peak_bf16_tflops, "fp8": self.peak_fp8_tflops}[precision]

@@ -24,7 +24,7 @@ per device:
               split by pass (maxmoe.analysis.hlo.pass_of): forward, backward (where a rematerialised forward pass
               recomputes its collectives: model.remat=full or save_matmuls; the save_*
               policies keep what collectives produced) and other (the optimizer update).
-  flops       analytic model FLOPs per device per step (maxmoe.flops), and the dot and
+  flops       analytic model FLOPs per device per step (maxmoe.analysis.flops), and the dot and
               convolution FLOPs of the compiled program per device per step
               (maxmoe.analysis.hlo.dot_flops: loops x trip count, a conditional at its busiest branch).
   bubble      with pipeline stages, the schedule's analytic bubble (P-1)/(M*V+P-1) and the
@@ -90,13 +90,7 @@ import math
 import time
 
 from maxmoe.analysis import planner
-from maxmoe.analysis.half_width import compile_half_width
-from maxmoe.analysis.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
-from maxmoe.analysis.hlo_slices import parse_computations, sliced_elements
-from maxmoe.analysis.hlo_widened import MOVING, narrowed_operands
-from maxmoe.analysis.lowering import a2a_independent_chains
-from maxmoe.config import ZERO1_REDUCTION, Config, ConfigError
-from maxmoe.flops import (
+from maxmoe.analysis.flops import (
     context_flops_per_token,
     count_params,
     flops_per_token,
@@ -105,12 +99,18 @@ from maxmoe.flops import (
     pipeline_piece_flops_per_token,
     recompute_flops_per_token,
 )
+from maxmoe.analysis.half_width import compile_half_width
+from maxmoe.analysis.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
+from maxmoe.analysis.hlo_slices import parse_computations, sliced_elements
+from maxmoe.analysis.hlo_widened import MOVING, narrowed_operands
+from maxmoe.analysis.lowering import a2a_independent_chains
+from maxmoe.config import Config, ConfigError
 from maxmoe.kernels.choice import Choice
 from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN
-from maxmoe.mesh import device_domains
-from maxmoe.model.transformer import COMM_SAVING_POLICIES
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
 from maxmoe.parallel.layout import build_layout
+from maxmoe.parallel.mesh import device_domains
+from maxmoe.parallel.names import COMM_SAVING_POLICIES, ZERO1_REDUCTION
 from maxmoe.parallel.pipeline_schedule import SlotLayout, build_schedule
 from maxmoe.training.programs import build_programs
 from maxmoe.training.stage_state import slot_layout
@@ -175,7 +175,7 @@ def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
 
 def pipeline_pieces(config: Config, system: str | None = None) -> dict[str, float]:
     """What each piece of the stage plan costs a stage, in bf16 FLOPs per token: its executed
-    FLOPs (maxmoe.flops.pipeline_piece_flops_per_token), those of the GEMM classes the recipe
+    FLOPs (maxmoe.analysis.flops.pipeline_piece_flops_per_token), those of the GEMM classes the recipe
     runs in FP8 on `system` scaled by its bf16 over FP8 peak (time is what a tick waits for)."""
     m, t = config.model, config.train
     pieces = pipeline_piece_flops_per_token(m, t.seq_len, t.loss_chunk)

@@ -8,9 +8,9 @@ xla.profile). The model, per device and per step; every constant is a field of
 
   compute     t_c = (X - X8) / (peak_bf16 x e) + X8 / (peak_fp8 x e), e = compute_efficiency.
               X: executed FLOPs (model FLOPs plus what model.remat runs again:
-              maxmoe.flops.recompute_flops_per_token, and with mesh.context > 1 the latent
+              maxmoe.analysis.flops.recompute_flops_per_token, and with mesh.context > 1 the latent
               core's up-projections: context_flops_per_token); X8: the part in the GEMM classes the
-              recipe and the system's kernels run in FP8 (maxmoe.flops.fp8_gemm_classes: under
+              recipe and the system's kernels run in FP8 (maxmoe.analysis.flops.fp8_gemm_classes: under
               mxfp8 and tensorwise the routed experts run bf16 kernels). Model FLOPs give
               TFLOP/s per GPU and MFU; MFU is against the peak of the precision each class
               runs at (the bf16 peak for bf16 rows; `mfu_bf16_peak` beside it). With pipeline
@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 
 from maxmoe.analysis.assumptions import GB, KINDS, PHASES, SYSTEMS, TIERS, Assumptions, System, table
-from maxmoe.config import LATENT_GATHER, ZERO1_REDUCTION
+from maxmoe.parallel.names import LATENT_GATHER, ZERO1_REDUCTION
 
 __all__ = ["GB", "SYSTEMS", "System", "Assumptions", "KINDS", "PHASES", "TIERS"]
 PASSES = ("forward", "backward", "other")
@@ -240,7 +240,7 @@ def _excess(hidden: list, pass_: str, tier: str, window: float, beside: float) -
 def pipeline_compute_scale(pieces: dict, dense_per_chunk, moe_per_chunk, bubble: float) -> dict:
     """How much longer pipeline stages take than their work alone: the bubble and the busiest chunk.
 
-    pieces: maxmoe.flops.pipeline_piece_flops_per_token (executed FLOPs of one dense layer,
+    pieces: maxmoe.analysis.flops.pipeline_piece_flops_per_token (executed FLOPs of one dense layer,
     one MoE layer, the head with its loss, the MTP depths); dense_per_chunk, moe_per_chunk
     [V][P]: the dense and MoE layers chunk v of stage p runs in its slots (empty slots are
     skipped, so they cost nothing); bubble: the schedule's analytic idle fraction,

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from maxmoe.analysis.assumptions import table as assumption_table
 from maxmoe.analysis.dry_run import GB, replan
-from maxmoe.config import SIZED_MESH_AXES, Config, UserError
+from maxmoe.config import Config, UserError
+from maxmoe.parallel.names import SIZED_MESH_AXES
 
 AXES = SIZED_MESH_AXES
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxmoe.kernels.shard_context import shard_map_in_context
+from maxmoe.parallel.shard_context import shard_map_in_context
 
 KERNELS = ("triton", "cudnn", "tokamax")
 # Triton pads the head dim to a power of two (192 -> 256); 64 x 64 forward tiles of 256

@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec
 
 from maxmoe.kernels.fp8_matmul import TILE, blockwise_dot_quantized, fp8_matmul, scaled_dot
 from maxmoe.kernels.fp8_quant import E4M3, quantize
-from maxmoe.kernels.shard_context import axes_of, shard_map_in_context
 from maxmoe.kernels.varying import vary_alike, vary_over, varying_axes
+from maxmoe.parallel.shard_context import axes_of, shard_map_in_context
 
 
 def _entry(axes: tuple[str, ...]):

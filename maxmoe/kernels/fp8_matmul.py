@@ -58,8 +58,9 @@ from maxmoe.kernels.fp8_grouped import (
     fp8_grouped_wgrad,
 )
 from maxmoe.kernels.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
-from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN, EXPERT_GATE_UP, WGRAD_DIMS, grouped_matmul, grouped_wgrad
+from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN, WGRAD_DIMS, grouped_matmul, grouped_wgrad
 from maxmoe.kernels.varying import sum_over_blocks, vary_alike
+from maxmoe.parallel.names import EXPERT_GATE_UP, FP8_DENSE_OUT
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
 TILE = 128  # DeepSeek-V3's tile and block edge
@@ -200,9 +201,6 @@ def _mx_dot(a_MK, b_KN, out_dtype):
         return jax.lax.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype)
 
     return jax.lax.platform_dependent(aq, a_scale, bq, b_scale, cuda=native, default=emulated)
-
-
-FP8_DENSE_OUT = "fp8_dense_out"  # a dense FP8 GEMM's output (fp8_matmul)
 
 
 def fp8_matmul(x, w_KN, recipe: str, kernels: BlockwiseKernels | None = None):

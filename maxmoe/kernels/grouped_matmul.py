@@ -31,10 +31,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
 from maxmoe.kernels.mosaic_ragged_dot import mosaic_grouped_matmul, mosaic_grouped_wgrad
+from maxmoe.parallel.names import EXPERT_GATE_UP
 
-# The name remat policies save the gate/up GEMM output [M, 2F] by, whatever the backend
-# (maxmoe.parallel.dispatch_shard.EXPERT_MATMUL_NAMES).
-EXPERT_GATE_UP = "moe_expert_gate_up"
 # The dry run's grouped GEMM (see the module docstring); not in GROUPED_MATMUL_BACKENDS.
 BALANCED_STAND_IN = "balanced_stand_in"
 

@@ -37,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxmoe.config import ModelConfig
 from maxmoe.model.layers import Embed, RMSNorm, constrain
 from maxmoe.model.transformer import COMPUTE_DTYPES, REMAT_POLICIES, Block, MTPLayer, head_logits, shift_left
+from maxmoe.parallel.names import SLOT_PARAMS
 
 STACK = "moe_layers"  # the variables cut into stages; everything else is "outer"
 DENSE = "dense_layers"  # the outer variables the dense slots read
@@ -65,9 +66,6 @@ def make_first(config: ModelConfig, layout: Any = None):
         return constrain(_rebind(layout), embed.apply({"params": outer["embed"]}, tokens_BT), ("batch", "seq", "embed"))
 
     return first
-
-
-SLOT_PARAMS = "pipeline_slot_params"  # one slot's parameters, sliced from the chunk's
 
 
 def make_chunk(config: ModelConfig, layout: Any = None):

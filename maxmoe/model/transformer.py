@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import ModelConfig
-from maxmoe.kernels.fp8_matmul import FP8_DENSE_OUT
 from maxmoe.model.attention import MLA, attention_for_length
 from maxmoe.model.layers import (
     LAYER_GRAD,
@@ -33,10 +32,9 @@ from maxmoe.model.layers import (
     logical_param,
 )
 from maxmoe.model.moe import MoE
-from maxmoe.parallel.dispatch import COMM_NAMES, EXPERT_MATMUL_NAMES
+from maxmoe.parallel.names import ATTENTION_OUT, COMM_NAMES, EXPERT_MATMUL_NAMES, FP8_DENSE_OUT
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # model.compute_dtype -> jax dtype
-ATTENTION_OUT = "attention_out"  # MLA output [B, T, D] before the residual add
 
 # model.remat: what the backward pass of a scanned block keeps; the rest is recomputed from
 # the block input, which is always kept (n x D x b per layer: n tokens per device, b bytes).
@@ -55,7 +53,6 @@ _policies = jax.checkpoint_policies
 _save_dots = _policies.save_from_both_policies(
     _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(FP8_DENSE_OUT)
 )
-COMM_SAVING_POLICIES = ("save_comm", "save_moe", "save_dots_comm")  # run no collective again backward
 REMAT_POLICIES = {
     "full": _policies.nothing_saveable,
     "save_matmuls": _save_dots,

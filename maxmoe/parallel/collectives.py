@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from maxmoe.parallel.names import EMULATED_OFFSETS
+
 RAGGED_A2A_IMPLS = ("native", "emulate", "balanced_stand_in")
 
 # Platform names as reported by `jax.default_backend()` / `Device.platform`;
@@ -32,7 +34,6 @@ _EMULATED_PLATFORMS = ("cpu",)
 # pass needs them again (to mask what it received). Saving this name
 # (maxmoe.parallel.dispatch_shard.COMM_NAMES does) keeps the emulated program, like the
 # native one, from running that exchange again in the backward pass; it costs K int32.
-EMULATED_OFFSETS = "ragged_a2a_emulated_offsets"
 
 
 def has_native_ragged_all_to_all(platform: str) -> bool:

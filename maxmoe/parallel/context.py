@@ -22,7 +22,7 @@ its key loop, so keys and values of the whole sequence never exist at once.
 Everything outside attention treats `context` as more data parallelism: MoE layers shard
 experts over context x expert (the same devices: expert parallelism does not shrink) and
 dispatch each device's own tokens; gradients are reduced and ZeRO-sharded over it like
-`data` (maxmoe.mesh).
+`data` (maxmoe.parallel.mesh).
 
 Axis legend: B batch, T time (local queries), S time (all keys), L latent + rope key values,
 H heads, K head dim, C context size.
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from maxmoe.config import CONTEXT_AXIS, LATENT_GATHER
-from maxmoe.kernels.shard_context import axes_of, shard_map_in_context
+from maxmoe.parallel.names import CONTEXT_AXIS, LATENT_GATHER
+from maxmoe.parallel.shard_context import axes_of, shard_map_in_context
 
 
 def zigzag_order(t: int, c: int) -> np.ndarray:

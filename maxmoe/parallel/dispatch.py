@@ -66,10 +66,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from maxmoe.config import DISPATCH_STRATEGIES, MOE_OVERLAPS
-from maxmoe.kernels.shard_context import shard_map_in_context
 from maxmoe.parallel import dispatch_shard
 from maxmoe.parallel.collectives import RAGGED_A2A_IMPLS, has_native_ragged_all_to_all
-from maxmoe.parallel.dispatch_shard import COMM_NAMES, EXPERT_MATMUL_NAMES, expert_swiglu
+from maxmoe.parallel.dispatch_shard import expert_swiglu
+from maxmoe.parallel.shard_context import shard_map_in_context
 
 # Logical axes of the routed experts' weights: the model declares its parameters with them and
 # the mesh derives the shard_map's weight specs from them.
@@ -79,9 +79,7 @@ EXPERT_WEIGHT_AXES = {
     "w_down": ("expert", "expert_mlp", "embed"),
 }
 __all__ = [
-    "COMM_NAMES",
     "DispatchPlan",
-    "EXPERT_MATMUL_NAMES",
     "EXPERT_WEIGHT_AXES",
     "expert_swiglu",
     "local_routed_experts",

@@ -38,16 +38,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.kernels.fp8_matmul import fp8_grouped_swiglu
-from maxmoe.kernels.grouped_matmul import EXPERT_GATE_UP, grouped_swiglu
-from maxmoe.parallel.collectives import EMULATED_OFFSETS, ragged_all_to_all_impl
-from maxmoe.parallel.fp8_dispatch import FP8_DISPATCH_ROWS, fp8_ragged_exchange
-
-DISPATCH_COUNTS = "moe_dispatch_counts"
-DISPATCH_ROWS = "moe_dispatch_rows"
-DISPATCH_META = "moe_dispatch_meta"
-COMBINE_ROWS = "moe_combine_rows"
-COMM_NAMES = (DISPATCH_COUNTS, DISPATCH_ROWS, FP8_DISPATCH_ROWS, DISPATCH_META, COMBINE_ROWS, EMULATED_OFFSETS)
-EXPERT_MATMUL_NAMES = (EXPERT_GATE_UP,)
+from maxmoe.kernels.grouped_matmul import grouped_swiglu
+from maxmoe.parallel.collectives import ragged_all_to_all_impl
+from maxmoe.parallel.fp8_dispatch import fp8_ragged_exchange
+from maxmoe.parallel.names import COMBINE_ROWS, DISPATCH_COUNTS, DISPATCH_META, DISPATCH_ROWS
 
 
 def expert_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, backend="ragged_dot", fp8="none", padded=True):

@@ -30,9 +30,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.kernels.fp8_quant import E4M3, quantize
 from maxmoe.parallel.collectives import ragged_all_to_all_impl
+from maxmoe.parallel.names import FP8_DISPATCH_ROWS
 
 TILE = {"tensorwise": 128, "blockwise": 128, "mxfp8": 32}
-FP8_DISPATCH_ROWS = "moe_fp8_dispatch_rows"  # the received e4m3 rows and their scales
 
 
 def payload_bytes_per_row(hidden: int, recipe: str) -> float:

@@ -1,6 +1,6 @@
 """The layout: a device mesh with its rules, bound to the implementations of the model's operations.
 
-`build_layout` takes the mesh (maxmoe.mesh: devices -> mesh, logical -> mesh rules) and
+`build_layout` takes the mesh (maxmoe.parallel.mesh: devices -> mesh, logical -> mesh rules) and
 decides, once, what runs each sharded operation the model asks for: the expert dispatch
 strategy (maxmoe.parallel.dispatch), the grouped-GEMM and attention kernels that `auto`
 resolves to on the target (maxmoe.kernels.choice), FP8 projections through maxmoe's kernels
@@ -19,16 +19,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxmoe.config import CONTEXT_AXIS, REPLICA_AXIS, Config, ConfigError
+from maxmoe.config import Config, ConfigError
 from maxmoe.kernels.attention import kernel, sharded_attention
 from maxmoe.kernels.choice import Choice, resolve_kernels
 from maxmoe.kernels.fp8_dense import sharded_fp8_projection
 from maxmoe.kernels.fp8_matmul import blockwise_kernels, fp8_matmul
-from maxmoe.kernels.shard_context import axes_of, context_sharding
-from maxmoe.mesh import build_mesh, check_divisible, indivisible, logical_to_spec, resolve_rules, zero1_spec
 from maxmoe.parallel import context as context_parallel
 from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
+from maxmoe.parallel.mesh import build_mesh, check_divisible, indivisible, logical_to_spec, resolve_rules, zero1_spec
+from maxmoe.parallel.names import CONTEXT_AXIS, REPLICA_AXIS
 from maxmoe.parallel.replicas import without_axis
+from maxmoe.parallel.shard_context import axes_of, context_sharding
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -265,5 +266,5 @@ def build_layout(
                 name: logical_to_spec(axes, rules, dict(mesh.shape)) for name, axes in EXPERT_WEIGHT_AXES.items()
             },
         )
-    layer_grads = config.mesh.reduce_per_layer
+    layer_grads = config.mesh.zero1_reduce == "per_layer"
     return Layout(mesh, rules, plan, kernels.platform, kernels.grouped_matmul, attention, layer_grads)

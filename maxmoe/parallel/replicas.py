@@ -38,7 +38,7 @@ residuals get out_specs naming the outer manual axis.
 
 Inside the shard_map the context mesh marks `replica` Manual. Sharding constraints must be
 built on that abstract mesh and nested shard_maps must name it and make only the remaining
-axes manual (maxmoe.kernels.shard_context); jax refuses the concrete mesh there.
+axes manual (maxmoe.parallel.shard_context); jax refuses the concrete mesh there.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxmoe.config import REPLICA_AXIS, ZERO1_REDUCTION
-from maxmoe.kernels.shard_context import axes_of, context_sharding, shard_map_in_context
 from maxmoe.parallel.layer_hooks import route_gradient, stacked_paths
+from maxmoe.parallel.names import COMPUTE_COPY, FLOAT32_COPY, REPLICA_AXIS, ZERO1_REDUCTION
+from maxmoe.parallel.shard_context import axes_of, context_sharding, shard_map_in_context
 
 REPLICA = REPLICA_AXIS
 
@@ -91,7 +91,7 @@ def compute_copy(master: Any, zero1: Any, in_domain: Any, keep_f32: Any, dtype, 
     """
 
     def one(p, z, d, keep):
-        with jax.named_scope("float32_copy" if keep else "compute_copy"):
+        with jax.named_scope(FLOAT32_COPY if keep else COMPUTE_COPY):
             if not keep:
                 p = jax.lax.with_sharding_constraint(p.astype(dtype), z)
             p = jax.lax.with_sharding_constraint(p, NamedSharding(z.mesh, without_axis(z.spec, axis)))

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import PartitionSpec
 
-from maxmoe.kernels.shard_context import context_sharding
 from maxmoe.model.layers import LAYER_INDEX, LAYER_SUM
 from maxmoe.parallel.layer_hooks import route_gradient
+from maxmoe.parallel.shard_context import context_sharding
 
 
 @jax.custom_vjp

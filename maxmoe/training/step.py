@@ -234,7 +234,7 @@ def weight_copy(
     keep = float32_leaves(boxed_params)
     dtype = COMPUTE_DTYPES[config.model.compute_dtype]
     gathered = in_domain
-    if config.mesh.gather_once and axis == replicas.REPLICA:
+    if config.mesh.zero1_gather == "per_step" and axis == replicas.REPLICA:
         gathered = layout.whole_shardings(boxed_params)
 
     def copy(master):
@@ -259,7 +259,7 @@ def _two_tier_grads(config: Config, layout: Any) -> Callable:
     accum, r = config.train.grad_accum, layout.replicas
     in_domain_specs = jax.tree.map(lambda s: s.spec, in_domain)
     sum_fn = _micro_batch_sums(config, layout, boxed, grad_fn, in_domain_specs)
-    if config.mesh.reduce_per_layer:
+    if config.mesh.zero1_reduce == "per_layer":
         return _per_layer_two_tier_grads(config, layout, boxed, copy, zero1, sum_fn, in_domain_specs)
     accumulate = replicas.make_accumulate(sum_fn, accum, layout.mesh, in_domain_specs)
 
@@ -279,8 +279,6 @@ def _micro_batch_sums(config: Config, layout: Any, boxed: Any, grad_fn: Callable
     the backward layer loop (maxmoe.training.layer_sums); otherwise each micro-batch's
     gradients are taken whole, then added (replicas.adding).
     """
-    if not config.mesh.sum_per_layer:
-        return replicas.adding(grad_fn)
     paths = layer_hooks.stacked_paths(nn.get_partition_spec(boxed), float32_leaves(boxed))
     hook = layer_sums.LayerSums(layer_sums.layer_specs(paths, in_domain_specs), layout.mesh)
     return layer_sums.summing_grad_fn(make_loss_fn(config, dataclasses.replace(layout, layer_sum_hook=hook)), paths)

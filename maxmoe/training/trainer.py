@@ -34,8 +34,8 @@ import jax
 import numpy as np
 
 from maxmoe import data, runtime, xla_flags
+from maxmoe.analysis.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.config import Config, UserError
-from maxmoe.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger

@@ -38,19 +38,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from maxmoe.config import (
-    CONTEXT_AXIS,
-    DEFAULT_RULES,
-    MESH_AXES,
-    OPTIONAL_MESH_AXES,
-    REPLICA_AXIS,
-    TWO_TIER_OPTIONS,
-    Config,
-    ConfigError,
-    check_mesh_fits,
-    mesh_sizes,
-)
-from maxmoe.kernels.shard_context import axes_of
+from maxmoe.config import DEFAULT_RULES, Config, ConfigError, check_mesh_fits, mesh_sizes
+from maxmoe.parallel.names import CONTEXT_AXIS, MESH_AXES, OPTIONAL_MESH_AXES, REPLICA_AXIS
+from maxmoe.parallel.shard_context import axes_of
 
 
 def resolve_shape(config: Config, num_devices: int) -> dict[str, int]:
@@ -119,13 +109,6 @@ def build_mesh(config: Config, devices: Sequence[Any] | None = None) -> Mesh:
     domains = device_domains(devices, config.mesh.scale_up_domain)
     counts = sorted({domains.count(x) for x in set(domains)})
     sizes = split_replicas(config, resolve_shape(config, len(devices)), counts[0])
-    for option in TWO_TIER_OPTIONS:
-        if getattr(config.mesh, option) and sizes[REPLICA_AXIS] == 1:
-            raise ConfigError(
-                f"mesh.{option}=true applies to the two-tier step, which these devices do not run: "
-                f"mesh.across_domains=zero1 found one replica (data x expert x tensor within one "
-                f"scale-up domain of {counts[0]} devices)"
-            )
     order = sorted(range(len(devices)), key=lambda i: (domains[i], devices[i].process_index, devices[i].id))
     ordered = [devices[i] for i in order]
     axes = mesh_axes(sizes)
