@@ -8,7 +8,7 @@ and holds neither. XLA:CPU does run f16 dots and collectives natively, and float
 bfloat16's width, so the same program with every bf16 type written f16 gets the buffer
 assignment the GPU's bf16 program would (the values differ; nothing runs). Turning code
 motion off instead removes the copies but also leaves weight gathers inside loops, which
-understates memory (docs/perf-log.md, 2026-12-04).
+understates memory (docs/dev/perf-log.md, 2026-12-04).
 
 Only where this XLA:CPU widens bf16 dots (`bf16_dots_widened`: jaxlib 0.10's does; 0.12's
 runs them in bf16 and needs no stand-in). The substitution is textual on the StableHLO

@@ -48,7 +48,7 @@ COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # model.com
 #                   n x K x D x b and the counts; no collective runs again backward
 #   save_moe        save_comm + the expert GEMMs' gate/up (2 x M x F x b) + attention output
 #   save_dots_comm  save_comm + the expert gate/up + save_matmuls' dots
-# docs/perf-log.md ("remat policies") has the bytes per policy for the shipped configs.
+# docs/dev/perf-log.md ("remat policies") has the bytes per policy for the shipped configs.
 _policies = jax.checkpoint_policies
 _save_dots = _policies.save_from_both_policies(
     _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(FP8_DENSE_OUT)
