@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import GROUPED_MATMUL_BACKENDS
 from maxmoe.kernels.mosaic_ragged_dot import mosaic_grouped_matmul, mosaic_grouped_wgrad
-from maxmoe.parallel.names import EXPERT_GATE_UP
+from maxmoe.parallel.names import EXPERT_GATE_UP, GROUPED_GEMM_SCOPE
 
 # The dry run's grouped GEMM (see the module docstring); not in GROUPED_MATMUL_BACKENDS.
 BALANCED_STAND_IN = "balanced_stand_in"
@@ -58,6 +58,11 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, backend: str = "ragged_dot", p
     Raises:
         ValueError: for an unknown backend, or operands the backend cannot take.
     """
+    with jax.named_scope(GROUPED_GEMM_SCOPE):  # a profile's grouped-GEMM class (maxmoe.analysis.trace_breakdown)
+        return _grouped_matmul(x_MD, w_GDF, group_sizes_G, backend, padded)
+
+
+def _grouped_matmul(x_MD, w_GDF, group_sizes_G, backend: str, padded: bool):
     if backend == "ragged_dot":
         out_MF = jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
     elif backend == "mosaic_gpu":
@@ -176,6 +181,11 @@ def grouped_wgrad(x_MD, dy_MF, group_sizes_G, *, backend: str = "ragged_dot"):
     "dense_loop" a masked product per group; the balanced stand-in one batched product over
     G equal row blocks (exact for M/G rows each).
     """
+    with jax.named_scope(GROUPED_GEMM_SCOPE):
+        return _grouped_wgrad(x_MD, dy_MF, group_sizes_G, backend)
+
+
+def _grouped_wgrad(x_MD, dy_MF, group_sizes_G, backend: str):
     g = group_sizes_G.shape[0]
     if backend == "ragged_dot":
         return jax.lax.ragged_dot_general(x_MD, dy_MF, group_sizes_G, WGRAD_DIMS, preferred_element_type=jnp.float32)

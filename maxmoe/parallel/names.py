@@ -35,3 +35,6 @@ COMM_SAVING_POLICIES = ("save_comm", "save_moe", "save_dots_comm")  # run no col
 LATENT_GATHER = "context_latent_gather"  # context parallelism's latent all-gathers (exposed)
 ZERO1_REDUCTION = "reduce_to_zero1"  # the two-tier step's cross-domain gradient reduce-scatter
 COMPUTE_COPY, FLOAT32_COPY = "compute_copy", "float32_copy"  # the two-tier step's weight gathers
+# jax scopes on the kernels' ops, by which a profile's time is put in classes (maxmoe.analysis.trace_breakdown).
+GROUPED_GEMM_SCOPE = "grouped_gemm"  # the routed experts' GEMMs, any backend (maxmoe.kernels.grouped_matmul)
+ATTENTION_CORE_SCOPE = "attention_core"  # softmax(q k^T) v, any implementation (maxmoe.model.attention)
