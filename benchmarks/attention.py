@@ -105,6 +105,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import jax
 
+    from maxmoe.runtime import use_compile_cache
+
+    use_compile_cache()  # a rerun loads the programs this one compiled
     cases = args.case or [(1, 128, 4096), (8, 16, 4096)]
     names = args.impl or list(IMPLEMENTATIONS)
     device = jax.devices()[0]

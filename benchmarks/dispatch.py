@@ -176,6 +176,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     runtime.use_cpu_devices(args.devices, force=False)  # fake CPU devices unless JAX_PLATFORMS names a platform
+    runtime.use_compile_cache()  # a rerun loads the programs this one compiled
     print(f"$ {command_line()}")
     print(
         f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, float32, "

@@ -136,6 +136,9 @@ def main(argv=None):
         parser.error("--repeats must be positive")
     import jax
 
+    from maxmoe.runtime import use_compile_cache
+
+    use_compile_cache()  # a rerun loads the programs this one compiled
     recipes = ["bf16"] + (args.recipe or list(RECIPES[1:]))
     command = command_line()
     device = jax.devices()[0]

@@ -208,6 +208,9 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
+    from maxmoe.runtime import use_compile_cache
+
+    use_compile_cache()  # a rerun loads the programs this one compiled
     shapes = {}
     for name in args.shape or ["proxy", "671b"]:
         shapes[name] = SHAPES.get(name) or dict(rows=args.rows, groups=args.groups, d=args.d, f=args.f)

@@ -10,6 +10,7 @@ jax computation:
   set_host_device_count  N host CPU devices, nothing else (lowering for another platform)
   use_cpu_devices        N fake CPU devices and the CPU backend only (the sweep's dry run,
                          CPU benchmarks)
+  use_compile_cache      jax's persistent compilation cache (run.compile_cache; setup does it)
 
 tests/conftest.py sets XLA_FLAGS itself, before pytest imports jax; that is the one
 pre-backend step outside this module.
@@ -18,13 +19,19 @@ pre-backend step outside this module.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from maxmoe import distributed, xla_flags
 from maxmoe.config import MAX_CPU_DEVICES, Config, UserError
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+COMPILE_CACHE_MAX_BYTES = 10 * 10**9  # least recently used programs go first past this
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_hits = 0
+_listening = False
 
 
 def _cpu_device_count() -> int | None:
@@ -105,7 +112,71 @@ def setup(config: Config, *, distributed_init: bool = True) -> list[str]:
     skips jax.distributed (single-process tools that run beside a launcher's environment).
     """
     set_host_device_count(config.run.cpu_devices)
+    use_compile_cache(config.run.compile_cache)
     flags = xla_flags.apply(config)
     if distributed_init:
         distributed.initialize(config.dist)
     return flags
+
+
+def compile_cache_dir(setting: str = "auto") -> Path | None:
+    """The persistent compilation cache's folder for a `run.compile_cache` value; None when it is off.
+
+    `auto`: $JAX_COMPILATION_CACHE_DIR when set, else `maxmoe/jax` under the user cache folder
+    ($XDG_CACHE_HOME, default ~/.cache); `none`: off (as is JAX_ENABLE_COMPILATION_CACHE=false with
+    `auto`); anything else names the folder.
+    """
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return Path(setting).expanduser()
+    if os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "maxmoe" / "jax"
+
+
+def use_compile_cache(setting: str = "auto") -> Path | None:
+    """Turn jax's persistent compilation cache on in `compile_cache_dir(setting)` (or off); its folder.
+
+    A second run of the same program (same XLA flags, jax and jaxlib) loads it instead of
+    compiling; programs that compile in under a second are not kept. The cache keeps up to
+    COMPILE_CACHE_MAX_BYTES ($JAX_COMPILATION_CACHE_MAX_SIZE wins), dropping the least recently
+    used (a limit needs the `filelock` package; without it the cache is unbounded).
+    """
+    global _listening
+    path = compile_cache_dir(setting)
+    if not _listening:
+        jax.monitoring.register_event_listener(_count_cache_hit)
+        _listening = True
+    wanted = {"jax_enable_compilation_cache": path is not None}
+    if path is not None:
+        wanted["jax_compilation_cache_dir"] = str(path)
+        if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ and _has_filelock():
+            wanted["jax_compilation_cache_max_size"] = COMPILE_CACHE_MAX_BYTES
+    if any(getattr(jax.config, name) != value for name, value in wanted.items()):
+        compilation_cache.reset_cache()  # jax opens its cache once: one opened earlier (a notebook) is let go
+        for name, value in wanted.items():
+            jax.config.update(name, value)
+    return path
+
+
+def _has_filelock() -> bool:
+    try:
+        import filelock  # noqa: F401 - jax's size-bounded cache locks its folder with it
+    except ImportError:
+        return False
+    return True
+
+
+def _count_cache_hit(event: str, **_) -> None:
+    global _cache_hits
+    if event == _CACHE_HIT_EVENT:
+        _cache_hits += 1
+
+
+def compile_cache_hits() -> int:
+    """Programs this process has loaded from the persistent compilation cache so far."""
+    return _cache_hits

@@ -356,6 +356,7 @@ def sweep(
         if not num_devices:
             raise UserError("--dry-run needs --devices N")
         runtime.use_cpu_devices(num_devices)  # before the first jax.devices() starts the backend
+    runtime.use_compile_cache(config.run.compile_cache)
     devices = jax.devices()
     if num_devices is None:
         num_devices = len(devices)

@@ -28,6 +28,12 @@ class RunConfig:
         choices=("auto", "bar", "plain", "none"),
         doc="console: a live bar on a terminal (auto) or plain lines; none: quiet (notebooks)",
     )
+    compile_cache: str = field(
+        "auto",
+        doc="jax's persistent compilation cache folder: a second run of the same program loads it instead of "
+        "compiling; auto: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/maxmoe/jax (10 GB, least recently used "
+        "dropped); none: off",
+    )
 
 
 def check_run(config) -> None:
@@ -35,6 +41,8 @@ def check_run(config) -> None:
     run, steps = config.run, config.train.steps
     if not run.dir.strip():
         raise ConfigError("run.dir is empty; name the folder for checkpoints and metrics (e.g. run.dir=runs/my-run)")
+    if not run.compile_cache.strip():
+        raise ConfigError("run.compile_cache is empty; give a folder, auto (the user cache folder) or none (off)")
     if run.cpu_devices > MAX_CPU_DEVICES:
         raise ConfigError(
             f"run.cpu_devices={run.cpu_devices}: must be <= {MAX_CPU_DEVICES} "
