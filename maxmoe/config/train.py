@@ -17,6 +17,13 @@ class TrainConfig:
     """Optimisation and the loop."""
 
     steps: int = field(300, gt=0, doc="training steps in all (a resumed run continues to this)")
+    schedule_steps: int = field(
+        0,
+        ge=0,
+        doc="length of the learning-rate schedule in steps; 0: train.steps, except that a finished run continued "
+        "with more steps keeps the length it finished with (the rate stays at its final value); "
+        "set it to the new train.steps to stretch the schedule over the new total instead",
+    )
     batch_size: int = field(16, gt=0, doc="global sequences per step")
     seq_len: int = field(128, gt=0, doc="tokens per sequence")
     seed: int = field(0, ge=0, doc="parameter init and data order")

@@ -247,6 +247,22 @@ class Checkpointer:
         with _quiet_orbax():
             return self._open().latest_step()
 
+    def saved_config(self) -> tuple[int, dict] | None:
+        """(the latest complete step, the config saved with it), or None: resume off, no step, or unreadable
+        (restore_latest then says why). Read before the programs are built: a continued run's
+        learning-rate schedule depends on it (maxmoe.training.optim.continued_schedule)."""
+        if not self.config.checkpoint.resume:
+            return None
+        step = self.latest_step()
+        if step is None:
+            return None
+        with _quiet_orbax():
+            try:
+                saved = self._open().restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            except Exception:  # noqa: BLE001 - restore_latest reports an unreadable step
+                return None
+        return (step, saved) if isinstance(saved, dict) else None
+
     def restore_latest(self, abstract_state: Any) -> Restored | None:
         """The latest complete step restored into `abstract_state`'s shardings, or None when there is none.
 

@@ -26,6 +26,7 @@ RESUME_FREE = {
     "moe": {"grouped_matmul", "overlap", "a2a_chunks", "emulate_ragged_a2a"},
     "train": {
         "steps",
+        "schedule_steps",
         "log_every",
         "eval_every",
         "eval_batches",

@@ -39,7 +39,7 @@ from maxmoe.config import Config, UserError
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
 from maxmoe.training.metrics import MetricsLogger
-from maxmoe.training.optim import learning_rate_schedule
+from maxmoe.training.optim import continued_schedule, learning_rate_schedule
 from maxmoe.training.preemption import StopSignal, hold, interruptible
 from maxmoe.training.programs import build_programs
 from maxmoe.training.progress import format_duration
@@ -105,6 +105,8 @@ class Trainer:
         self.devices = list(self.layout.mesh.devices.flat)
         self.train_data = self._dataset("train")
         next(iter(self._dataset("eval")))  # the eval split is read at the end of every run: checked now
+        schedule_note = self._continue_schedule()
+        config, t = self.config, self.config.train
         self.programs = build_programs(config, self.layout)
         restored = self.checkpointer.restore_latest(self.programs.abstract_state)
         if restored is None or restored.step < t.steps:
@@ -120,6 +122,8 @@ class Trainer:
                         + "; ".join(self.checkpointer.changes)
                     )
             self._check_profile_steps()
+            if schedule_note and self.step < t.steps:
+                self._say(schedule_note)
         else:
             key = jax.random.key(t.seed)
             self.state = self._compiled("the parameter initialisation", self.programs.init, key)(key)
@@ -185,7 +189,7 @@ class Trainer:
         says so) at once rather than when the compilation ends.
         """
         self._say(f"maxmoe: compiling {what} ...")
-        start = time.perf_counter()
+        start, hits = time.perf_counter(), runtime.compile_cache_hits()
 
         def compile_program():
             if hold_point:
@@ -195,8 +199,21 @@ class Trainer:
         compiled = interruptible(compile_program)
         seconds = time.perf_counter() - start
         self._seconds["compiling"] += seconds
-        self._say(f"maxmoe: compiled {what} in {seconds:.1f}s")
+        cached = " (cache hit)" if runtime.compile_cache_hits() > hits else ""
+        self._say(f"maxmoe: compiled {what} in {seconds:.1f}s{cached}")
         return compiled
+
+    def _continue_schedule(self) -> str | None:
+        """The learning-rate schedule of a resumed run whose train.steps changed (optim.continued_schedule):
+        self.config (and what checkpoints store) gets the span it continues on; returns the note to say."""
+        saved = self.checkpointer.saved_config()
+        if saved is None:
+            return None
+        step, saved_config = saved
+        train, note = continued_schedule(self.config.train, saved_config.get("train"), step)
+        if train != self.config.train:
+            self.config = self.checkpointer.config = self.config.replace(train={"schedule_steps": train.schedule_steps})
+        return note
 
     def _init_from_step(self) -> int:
         path = self.config.checkpoint.init_from
