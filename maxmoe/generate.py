@@ -28,11 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from maxmoe import runtime
 from maxmoe.cli import _Parser, exit_with, main_guard
 from maxmoe.config import ConfigError, ModelConfig, UserError, load_config
 from maxmoe.convert.hf import load_pretrained
 from maxmoe.data import EOS_ID, byte_tokens, data_folders, decode_bytes, read_meta
 from maxmoe.model.decode import decode, init_cache
+from maxmoe.training.checkpoint import latest_step_of
 
 # End-of-text tokens of common tokenizers, tried in order (DeepSeek-V3's first).
 EOS_NAMES = ("<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -261,10 +263,19 @@ def build_parser() -> _Parser:
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: all")
     parser.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this probability; 1: all")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed of the draw (0 to 2**32-1): a seed repeats its text"
+    )
     parser.add_argument("--tokenizer", default="", metavar="byte|PATH", help="default: the folder's or the run's")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     return parser
+
+
+def checkpoint_step(folder: Path, args) -> str:
+    """'<folder>, step N (the latest)': which step of a maxmoe checkpoint folder generate loads."""
+    label = f"{'--run' if args.run else '--checkpoint'} {folder}"
+    with latest_step_of(folder, label) as (_, step, _):
+        return f"{folder}, step {step} (the latest)"
 
 
 @main_guard
@@ -279,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.run and not (folder / "config.yaml").is_file():
         raise UserError(f"--run {folder}: not a training run folder (no config.yaml); use --checkpoint for others")
     tokenizer = tokenizer_for(folder, args.tokenizer)
+    if not (folder / "config.json").is_file():  # a maxmoe checkpoint, not Hugging Face weights
+        print(f"maxmoe: loading {checkpoint_step(folder, args)}", file=sys.stderr, flush=True)
+    runtime.use_compile_cache()
     try:
         with _quiet_absl():  # orbax's notes on read-only checkpoint managers
             config, variables = load_pretrained(folder, dtype="float32", compute_dtype=args.dtype)

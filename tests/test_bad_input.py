@@ -456,6 +456,7 @@ def test_generate_takes_a_prompt_that_is_not_utf8_as_its_bytes(tmp_path, monkeyp
     config = load_config(TINY)
     (tmp_path / "config.yaml").write_text(config.to_yaml())
     monkeypatch.setattr(generate_module, "load_pretrained", lambda folder, dtype, compute_dtype: (config, {}))
+    monkeypatch.setattr(generate_module, "checkpoint_step", lambda folder, args: str(folder))
     seen = []
     monkeypatch.setattr(generate_module, "generate", lambda model, variables, ids, **kw: seen.append(ids) or [ord("c")])
     assert generate_main(["--run", str(tmp_path), "--prompt", os.fsdecode(b"\xffab"), "--max-new-tokens", "1"]) == 0

@@ -164,7 +164,9 @@ def test_generate_command_on_a_byte_level_run(tmp_path, capsysbinary):
         == 0
     )
     # The prompt and the output are bytes; EOS (257) ends a document and is not printed.
-    assert capsysbinary.readouterr().out == prompt.encode() + bytes(i for i in expected if i < 256) + b"\n"
+    captured = capsysbinary.readouterr()
+    assert captured.out == prompt.encode() + bytes(i for i in expected if i < 256) + b"\n"
+    assert captured.err.decode() == f"maxmoe: loading {tmp_path / 'run'}, step 0 (the latest)\n"  # on stderr
 
 
 @pytest.mark.parametrize(
