@@ -17,7 +17,7 @@ class CheckpointConfig:
     keep: int = field(3, gt=0, doc="newest checkpoints kept")
     keep_every: int = field(0, ge=0, doc="also keep every N-th step; 0: off")
     resume: bool = field(True, doc="continue from the latest checkpoint in run.dir; false: refuse a non-empty run.dir")
-    init_from: str = field("", doc="initialise parameters only from this checkpoint")
+    init_from: str = field("", path=True, doc="initialise parameters only from this checkpoint")
     allow_config_change: bool = field(
         False, doc="resume although the model, its numerics, the optimizer or the data order changed"
     )

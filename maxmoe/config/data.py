@@ -22,15 +22,18 @@ class DataConfig:
     )
     path: str = field(
         "",
+        path=True,
         doc="a token folder (`python -m maxmoe.data prepare`), or text to tokenise once into data.cache_dir: "
         "a .txt/.jsonl/.jsonl.gz/.parquet file, a glob, or a folder of them",
     )
     mixture: dict = field(
-        {}, doc="shards: several folders and their weights, {folder: weight, ...}, instead of data.path"
+        {}, path=True, doc="shards: several folders and their weights, {folder: weight, ...}, instead of data.path"
     )
-    tokenizer: str = field("byte", doc="data.path text: 'byte' or a Hugging Face tokenizer.json")
+    tokenizer: str = field("byte", path=True, doc="data.path text: 'byte' or a Hugging Face tokenizer.json")
     text_key: str = field("text", doc="data.path text: the field of .jsonl records and .parquet rows")
-    cache_dir: str = field("", doc="token cache of the stdlib corpus and of data.path text; empty: ~/.cache/maxmoe")
+    cache_dir: str = field(
+        "", path=True, doc="token cache of the stdlib corpus and of data.path text; empty: ~/.cache/maxmoe"
+    )
     eval_fraction: float = field(0.05, gt=0, doc="stdlib and data.path text: share of tokens held out for eval")
 
     @property

@@ -22,13 +22,14 @@ from maxmoe.config.checkpoint import CheckpointConfig
 from maxmoe.config.data import DataConfig, check_data
 from maxmoe.config.dist import DistConfig, check_dist
 from maxmoe.config.errors import ConfigError, read_named_file
-from maxmoe.config.fields import coerce, type_name, unknown
+from maxmoe.config.fields import check_extent, coerce, shown, type_name, unknown
 from maxmoe.config.mesh import REMOVED_KEYS, MeshConfig, check_mesh
 from maxmoe.config.model import ModelConfig, check_model, validate_model
 from maxmoe.config.moe import MoEConfig, check_moe
 from maxmoe.config.run import RunConfig, check_run
 from maxmoe.config.train import TrainConfig, check_train
 from maxmoe.config.xla import XlaConfig, check_xla
+from maxmoe.config.yaml_reader import read_value, read_yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +123,7 @@ def _merge_section(section: str, current: dict, updates: Any, source: str, store
     names = {f.name for f in dataclasses.fields(SECTIONS[section])}
     for name, value in updates.items():
         key = f"{section}.{name}"
+        check_extent(key, value)  # before anything reads it: an alias bomb or a cycle costs no more
         if key in REMOVED_KEYS:
             replacement, meaning = REMOVED_KEYS[key]
             translated = meaning.get(value) if isinstance(value, bool) else None
@@ -135,11 +137,12 @@ def _merge_section(section: str, current: dict, updates: Any, source: str, store
         current[name] = value
 
 
-def _parse_scalar(text: str) -> Any:
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        return text
+def _is_text(section: Any, name: Any) -> bool:
+    """Whether `section.name` is a text-typed key (its value keeps the text as written)."""
+    cls = SECTIONS.get(section) if isinstance(section, str) else None
+    if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+        return False
+    return typing.get_type_hints(cls)[name] is str
 
 
 def load_config(
@@ -160,15 +163,9 @@ def load_config(
     for path in files:
         text = read_named_file(path, "config file", error=ConfigError)
         try:
-            doc = yaml.safe_load(text.decode("utf-8")) or {}
+            doc = read_yaml(text.decode("utf-8"), str(path), _is_text) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            where = f" (line {line + 1})" if line is not None else ""
-            raise ConfigError(f"{path}{where}: not valid YAML") from None
-        except RecursionError:  # the YAML composer recurses once per level of nesting
-            raise ConfigError(f"{path}: not valid YAML (nested too deeply)") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
         for section, updates in doc.items():
@@ -199,7 +196,7 @@ def _config_paths(files: Any) -> list:
         return [files]
     if isinstance(files, (list, tuple)) and all(isinstance(f, (str, os.PathLike)) for f in files):
         return list(files)
-    raise ConfigError(f"config files {files!r}: expected a path or a list of paths")
+    raise ConfigError(f"config files {shown(files)}: expected a path or a list of paths")
 
 
 def _apply_overrides(raw: dict[str, dict], overrides: Any) -> None:
@@ -212,23 +209,25 @@ def _apply_overrides(raw: dict[str, dict], overrides: Any) -> None:
     elif isinstance(overrides, str):
         overrides = (overrides,)
     elif not isinstance(overrides, (list, tuple, dict)):
-        raise ConfigError(f"overrides {overrides!r}: expected a list of 'section.key=value' strings or a dict")
+        raise ConfigError(f"overrides {shown(overrides)}: expected a list of 'section.key=value' strings or a dict")
     if isinstance(overrides, dict):
-        pairs = [(str(key), value) for key, value in overrides.items()]
+        pairs = [(str(key), value, False) for key, value in overrides.items()]
     else:
         pairs = []
         for item in overrides:
             if not isinstance(item, str) or "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form section.key=value")
+                raise ConfigError(f"override {shown(item)} is not of the form section.key=value")
             key, text = item.split("=", 1)
-            pairs.append((key, _parse_scalar(text)))
-    for key, value in pairs:
+            pairs.append((key, text, True))
+    for key, value, written in pairs:
         key = key.strip()
         if "." not in key:
             raise unknown(key, all_keys())
         section, name = key.split(".", 1)
         if section not in raw:
             raise unknown(key, all_keys())
+        if written and not _is_text(section, name):  # a text key keeps the text as written
+            value = read_value(value, key)
         if section == "mesh" and name.startswith("rules."):
             # mesh.rules.<logical>=[axes] changes one rule and keeps the others.
             name, value = "rules", {**raw["mesh"].get("rules", {}), name[len("rules.") :]: value}

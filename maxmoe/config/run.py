@@ -16,6 +16,7 @@ class RunConfig:
 
     dir: str = field(
         "runs/default",
+        path=True,
         doc="metrics, resolved config, XLA flags and checkpoints go here; unset: runs/<stem of the --config "
         "file> (files merged: stems joined by '+'; a file named config.yaml: its folder's name)",
     )

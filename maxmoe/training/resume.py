@@ -12,6 +12,7 @@ that compute the same numbers may change freely (RESUME_FREE).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,15 @@ def resume_changes(saved: Any, config: Config) -> list[str]:
 def _as_computed(sections: dict) -> dict:
     """Config sections with the values that name one computation in two ways made one: data.source
     with `auto` resolved (config.source_in_effect) (stored `stdlib` and `auto` with no path read the
-    same data), moe.dispatch as dropless or capacity (ragged_a2a, allgather and auto route every
-    token copy to its experts and give the same numbers; capacity drops copies)."""
+    same data), data paths with `~` expanded (stored by a maxmoe that kept it), moe.dispatch as
+    dropless or capacity (ragged_a2a, allgather and auto route every token copy to its experts
+    and give the same numbers; capacity drops copies)."""
     out = {name: dict(values) for name, values in sections.items()}
     data, moe = out.get("data"), out.get("moe")
+    if data is not None and isinstance(data.get("path"), str):
+        data["path"] = os.path.expanduser(data["path"])
+    if data is not None and isinstance(data.get("mixture"), dict):
+        data["mixture"] = {os.path.expanduser(k) if isinstance(k, str) else k: v for k, v in data["mixture"].items()}
     if data is not None and "source" in data:
         data["source"] = source_in_effect(data["source"], data.get("path"), data.get("mixture"))
     if moe is not None and "dispatch" in moe:
