@@ -25,7 +25,8 @@ the ragged all-to-all as a stand-in with the native collective's buffers and byt
 Without --dry-run: the same shapes on the real devices, timed over --steps steps after
 --warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.analysis.flops.peak_tflops.
 --assume NAME=VALUE sets one planner constant (maxmoe.analysis.assumptions: names, defaults,
-sources; recorded in the JSON); --replan IN.json predicts a stored dry run again under them
+sources; recorded in the JSON); --calibration RATES.yaml the measured kernel rates each compute
+class runs at (default: the committed table); --replan IN.json predicts a stored dry run again under them
 without compiling; --write-config OUT.yaml writes the best-ranked shape that fits (ranked by
 predicted TFLOP/s per GPU where there are predictions). `fits` is judged by --hbm-gb, default
 the --system's memory.
@@ -35,6 +36,7 @@ otherwise), --json, --plot (matplotlib).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -52,9 +54,11 @@ from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.analysis.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.analysis.planner import SYSTEMS
 from maxmoe.analysis.sweep_plan import format_predictions, rank, replan_main, with_mesh, write_winner
+from maxmoe.analysis.sweep_table import COMPACT_COLUMNS, DRY_RUN_COLUMNS, format_table, parse_columns
 from maxmoe.cli import check_output_file, config_from_args, main_guard, make_parser
 from maxmoe.config import MAX_CPU_DEVICES, Config, ConfigError, UserError
 from maxmoe.data import resolve_vocab_size
+from maxmoe.kernels.rates import load_rates
 from maxmoe.parallel.layout import Layout, build_layout
 from maxmoe.parallel.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
 from maxmoe.parallel.names import SIZED_MESH_AXES
@@ -190,53 +194,6 @@ def time_shape(config: Config, layout, steps: int = 10, warmup: int = 2) -> dict
 # Output
 
 
-def format_table(results: list[dict], dry_run: bool) -> str:
-    ok = [r for r in results if "error" not in r]
-    big = dry_run and ok and max(max(r["memory"]["total"], r["collective_total"]) for r in ok) >= GB
-    unit, scale = ("GB", GB) if big or not ok else ("MB", 1e6)
-
-    def _gb(x) -> str:
-        return f"{x / scale:.2f}" if x is not None else "-"
-
-    u = unit
-    if dry_run:
-        head = (
-            f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'arg ' + u:>8} {'out ' + u:>7} {'alias ' + u:>8} "
-            f"{'temp ' + u:>8} {'total ' + u:>8} {'fits':>4} {'wire ' + u:>8} {'fwd ' + u:>7} {'bwd ' + u:>7} "
-            f"{'x-dom ' + u:>8} {'a2a ' + u:>7} {'a2a fwd':>7} {'a2a bwd':>7} "
-            f"{'AR ' + u:>7} {'AG ' + u:>7} {'RS ' + u:>7} {'TFLOP':>7} {'compile s':>9}"
-        )
-    else:
-        head = (
-            f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} "
-            f"{'step s':>8} {'compile s':>9}"
-        )
-    lines = [head, "-" * len(head)]
-    for i, r in enumerate(results, 1):
-        name = r["name"]
-        if "error" in r:
-            lines.append(f"{i:>2} {name:<26} error: {r['error']}")
-            continue
-        if dry_run:
-            m, c, by_pass = r["memory"], r["collectives"], r["collectives_by_pass"]
-            lines.append(
-                f"{i:>2} {name:<26} {_gb(m['argument']):>8} {_gb(m['output']):>7} {_gb(m['alias']):>8} "
-                f"{_gb(m['temp']):>8} {_gb(m['total']):>8} {'yes' if r['fits'] else 'no':>4} "
-                f"{_gb(r['collective_total']):>8} {_gb(r['forward_total']):>7} {_gb(r['backward_total']):>7} "
-                f"{_gb(r['cross_domain_total']):>8} {_gb(c.get('all-to-all', 0)):>7} "
-                f"{_gb(by_pass['forward'].get('all-to-all', 0)):>7} {_gb(by_pass['backward'].get('all-to-all', 0)):>7} "
-                f"{_gb(c.get('all-reduce', 0)):>7} {_gb(c.get('all-gather', 0)):>7} {_gb(c.get('reduce-scatter', 0)):>7} "
-                f"{r['flops_per_device'] / 1e12:7.3g} {r['compile_s']:9.1f}"
-            )
-        else:
-            mfu_text = f"{r['mfu']:.3f}" if r.get("mfu") is not None else "n/a"
-            lines.append(
-                f"{i:>2} {name:<26} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.2f} {mfu_text:>6} "
-                f"{r['step_s']:8.4f} {r['compile_s']:9.1f}"
-            )
-    return "\n".join(lines)
-
-
 def measured_text(p: dict) -> str:
     """The measured bubble of a pipeline report, with the dot FLOPs it comes from (maxmoe.analysis.dry_run)."""
     if p.get("bubble_measured") is None:
@@ -248,8 +205,9 @@ def measured_text(p: dict) -> str:
 
 
 def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | None:
-    """Bar charts per shape (memory and bytes, or throughput), titled, written to `path` (said on
-    stdout); returns why not when matplotlib is missing, else None.
+    """Bar charts per shape (memory and bytes, and the predicted TFLOP/s per GPU where the results
+    have predictions; or throughput), titled, written to `path` (said on stdout); returns why not
+    when matplotlib is missing, else None.
 
     The memory panel's unit and scale follow the shapes (MB for a small model); the HBM line is
     drawn when it is within reach of the bars, else named in the legend with its distance."""
@@ -267,9 +225,11 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
         devices = f"{math.prod(parse_mesh(ok[0]['name']).values())} devices"
     except (UserError, IndexError):  # no shape compiled, or a name this parser does not read
         devices = "the devices"
-    what = "dry run: per-device memory and bytes on the wire per step" if dry_run else "measured throughput"
+    what = "dry run:\nper-device memory and bytes on the wire per step" if dry_run else "measured throughput"
+    predicted = [r["prediction"]["tflops_per_gpu"] if r.get("prediction") else 0.0 for r in ok]
     if dry_run:
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, len(ok) * 0.9), 7), sharex=True)
+        rows = 3 if any(predicted) else 2
+        fig, (ax1, ax2, *ax3) = plt.subplots(rows, 1, figsize=(max(6, len(ok) * 0.9), 3.5 * rows), sharex=True)
         memory = [r["memory"]["total"] for r in ok]
         scale, unit = (GB, "GB") if max(memory, default=0) >= GB else (1e6, "MB")
         ax1.bar(x, [m / scale for m in memory], color="tab:blue")
@@ -289,13 +249,17 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
         ax2.set_ylabel("bytes on the wire per device per step (GB)")
         if any(bottom):
             ax2.legend(fontsize="small")
+        if ax3:  # with --system or --replan: the planner's figure, a prediction
+            system = next(r["prediction"]["system"] for r in ok if r.get("prediction"))
+            ax3[0].bar(x, predicted, color="tab:green")
+            ax3[0].set_ylabel(f"predicted TFLOP/s per GPU ({system})")
     else:
         fig, ax2 = plt.subplots(figsize=(max(6, len(ok) * 0.9), 4))
         ax2.bar(x, [r["tokens_per_s"] for r in ok])
         ax2.set_ylabel("tokens/s")
-    ax2.set_xticks(list(x), names, rotation=30, ha="right")
-    fig.suptitle(f"mesh shapes for {devices} ({len(ok)} shapes), {what}")
-    fig.tight_layout()
+    fig.axes[-1].set_xticks(list(x), names, rotation=30, ha="right")
+    fig.suptitle(f"mesh shapes for {devices} ({len(ok)} shapes), {what}", fontsize="medium")
+    fig.tight_layout()  # after the title: it keeps the title's lines inside the figure
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -414,7 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         "--pipeline", default="1", metavar="P[,P...]", help="pipeline sizes to enumerate (without --mesh); default 1"
     )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="OUT.png", help="bar charts per shape (needs matplotlib)")
+    parser.add_argument(
+        "--plot", metavar="OUT.png", help="bar charts per shape, with --replan too (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--columns",
+        metavar="all|NAME,...",
+        help=f"dry run: the table's columns (default {','.join(COMPACT_COLUMNS)}; all: {','.join(DRY_RUN_COLUMNS)})",
+    )
     parser.add_argument(
         "--hbm-gb",
         type=float,
@@ -427,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=VALUE",
         help="dry run: set one planner assumption (names: maxmoe.analysis.assumptions; repeatable)",
+    )
+    parser.add_argument(
+        "--calibration",
+        metavar="RATES.yaml",
+        help="dry run: the measured kernel rates each compute class runs at (format: maxmoe.kernels.rates; "
+        "default: the committed maxmoe/kernels/rates.yaml)",
     )
     parser.add_argument(
         "--replan",
@@ -480,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         args.devices = math.prod(meshes[0].values())
     system = args.system or (config.xla.profile if config.xla.profile in SYSTEMS else None)
     assumptions = Assumptions()
+    if args.calibration:
+        load_rates(args.calibration)  # a bad file: one line now, before any compile
+        assumptions = dataclasses.replace(assumptions, calibration=args.calibration)
     for text in args.assume:
         try:
             assumptions = assume(assumptions, text)

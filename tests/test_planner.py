@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from planner_system import IDEAL, SYSTEM
+from planner_system import IDEAL, SYSTEM, gemm
 
 from maxmoe.analysis.dry_run import as_on_gpu, pipeline_report, step_workload
 from maxmoe.analysis.flops import flops_per_token, pipeline_piece_flops_per_token
@@ -34,8 +34,8 @@ from maxmoe.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def workload(*collectives, **kwargs):
-    return Workload(1e15, 1_000_000, 8, collectives, **kwargs)
+def workload(*collectives, flops=1e15, compute=None, **kwargs):
+    return Workload(flops, 1_000_000, 8, collectives, compute=compute or (gemm(flops),), **kwargs)
 
 
 def test_pure_compute():
@@ -48,7 +48,7 @@ def test_pure_compute():
 
 
 def test_fp8_peak_halves_compute_time():
-    p = predict(workload(fp8_flops_per_device=1e15), SYSTEM, IDEAL)
+    p = predict(workload(compute=(gemm(1e15, "fp8"),)), SYSTEM, IDEAL)
     assert p.step_s == pytest.approx(1.0)  # 1e15 / (2e15 x 0.5)
     assert p.mfu == pytest.approx(0.5)  # against the FP8 peak the GEMMs run at: 0.5 s of peak in 1 s
     assert p.mfu_bf16_peak == pytest.approx(1.0)  # 1,000 TFLOP/s against the bf16 peak
@@ -56,7 +56,7 @@ def test_fp8_peak_halves_compute_time():
 
 def test_fp8_gemms_run_at_the_fp8_peak_and_the_rest_at_bf16():
     # Half of 1e15 FLOP in FP8 GEMMs: 0.5e15 / 1e15 + 0.5e15 / 2e15 = 0.75 s of peak, 1.5 s at 0.5.
-    p = predict(workload(fp8_flops_per_device=0.5e15), SYSTEM, IDEAL)
+    p = predict(workload(compute=(gemm(0.5e15, "fp8"), gemm(0.5e15))), SYSTEM, IDEAL)
     assert p.step_s == pytest.approx(1.5)
     assert p.tflops_per_gpu == pytest.approx(1000 / 1.5)
     assert p.mfu == pytest.approx(0.75 / 1.5)  # 0.75 s at the peaks of each class's precision
@@ -75,7 +75,7 @@ def test_dry_run_workload_credits_fp8_only_where_fp8_runs(recipe, system, routed
     None: no FP8 at all (mxfp8 on Hopper runs its dequantised values in bf16); False: every
     class but the routed experts, whose grouped kernels run bf16 under tensorwise and mxfp8."""
     files = [str(ROOT / "configs" / n) for n in ("deepseek_v3_671b.yaml", "mesh_256_h200.yaml")]
-    config = load_config(files, [f"model.fp8={recipe}", "model.remat=none"])
+    config = load_config(files, [f"model.fp8={recipe}", "model.remat=none", "train.loss_chunk=0"])
     w = step_workload(config, [], 256, 0.0, None, system)
     tokens = config.train.batch_size * config.train.seq_len
     assert w.flops_per_device == pytest.approx(flops_per_token(config.model, config.train.seq_len) * tokens / 256)
@@ -84,10 +84,16 @@ def test_dry_run_workload_credits_fp8_only_where_fp8_runs(recipe, system, routed
     dense = 6 * ((61 + 1) * attention + 3 * 3 * d * 18432 + (58 + 1) * 1 * 3 * d * 2048)  # 61 layers + MTP
     routed = 6 * (58 + 1) * 8 * 3 * d * 2048
     fp8 = 0 if routed_fp8 is None else dense + (routed if routed_fp8 else 0)
-    assert w.fp8_flops_per_device == pytest.approx(fp8 * tokens / 256, rel=1e-12)
-    assert w.executed == (w.flops_per_device, w.fp8_flops_per_device)  # remat none: nothing runs twice
-    bf16 = predict(dataclasses.replace(w, fp8_flops_per_device=0.0, fp8_executed_flops_per_device=0.0), SYSTEMS[system])
-    assert (predict(w, SYSTEMS[system]).step_s < bf16.step_s) == (routed_fp8 is not None)
+    in_fp8 = sum(c.model_flops for c in w.compute if c.peak == "fp8")
+    assert in_fp8 == pytest.approx(fp8 * tokens / 256, rel=1e-12)
+    assert sum(c.model_flops for c in w.compute) == pytest.approx(w.flops_per_device, rel=1e-12)
+    # remat none, whole logits: nothing runs twice; only the kernels' overheads add to the executed
+    assert all(c.executed_flops == pytest.approx(c.model_flops * c.overhead, rel=1e-12) for c in w.compute)
+    uniform = Assumptions(compute_efficiency=0.5)
+    bf16 = dataclasses.replace(w, compute=tuple(dataclasses.replace(c, peak="bf16") for c in w.compute))
+    assert (predict(w, SYSTEMS[system], uniform).step_s < predict(bf16, SYSTEMS[system], uniform).step_s) == (
+        routed_fp8 is not None
+    )
 
 
 def test_once_per_step_cross_domain_traffic_is_exposed():
@@ -120,13 +126,13 @@ def test_the_expert_all_to_all_is_exposed_and_named():
     assert p.bound == "expert all-to-all"
 
 
-def test_latency_counts_ring_hops():
+def test_latency_counts_hops():
     a = Assumptions(latency_s=(("scale_up", 10e-6), ("scale_out", 10e-6)))
     gather = Collective("all-gather", "scale_out", 0.0, 10, 4, "step")
     reduce = Collective("all-reduce", "scale_out", 0.0, 10, 4, "step")
     a2a = Collective("all-to-all", "scale_up", 0.0, 10, 64)
     assert collective_seconds(gather, SYSTEM, a) == pytest.approx(10 * 3 * 10e-6)  # P - 1 hops
-    assert collective_seconds(reduce, SYSTEM, a) == pytest.approx(10 * 6 * 10e-6)  # reduce-scatter + all-gather
+    assert collective_seconds(reduce, SYSTEM, a) == pytest.approx(10 * 4 * 10e-6)  # a tree: log2 4 up, log2 4 down
     assert collective_seconds(a2a, SYSTEM, a) == pytest.approx(10 * 10e-6)  # every peer at once
 
 
@@ -147,9 +153,10 @@ def test_throughput_per_gpu_falls_as_cross_domain_bytes_grow():
         ]
         assert all(x > y for x, y in zip(tflops[1:], tflops[2:])), (phase, tflops)
         assert tflops[1] <= tflops[0] and tflops[-1] < tflops[0] / 5, (phase, tflops)
-    # Default assumptions, once per step (exposed): 3 ring hops of 5 us, and 10 GB at
-    # 100 GB/s x 0.85 link efficiency, after 2 s of compute.
-    p = predict(workload(Collective("reduce-scatter", "scale_out", 10 * GB, 1, 4, "step")), SYSTEM)
+    # Default link assumptions, once per step (exposed): 3 ring hops of 5 us, and 10 GB at
+    # 100 GB/s x 0.85 link efficiency, after 2 s of compute (compute efficiency 0.5).
+    uniform = Assumptions(compute_efficiency=0.5)
+    p = predict(workload(Collective("reduce-scatter", "scale_out", 10 * GB, 1, 4, "step")), SYSTEM, uniform)
     assert p.step_s == pytest.approx(2.0 + 3 * 5e-6 + 10 / 85)
 
 
@@ -277,37 +284,40 @@ def test_pipeline_extra_work_sits_on_the_first_and_last_chunk():
 
 def test_pipeline_pieces_are_the_model_flops_with_what_runs_again():
     """Without recompute and with whole logits the pieces add up to flops_per_token; remat full
-    runs every layer's forward again (+1/3), the chunked loss the head's (+1/3), MTP neither."""
+    runs every layer's GEMMs forward again but the down projections of the dense MLP and the
+    shared experts (+1/3 less those), the chunked loss the head's (+1/3), MTP neither."""
     m = load_config([ROOT / "configs/deepseek_v3_671b.yaml"]).model
     plain = pipeline_piece_flops_per_token(dataclasses.replace(m, remat="none"), 4096, loss_chunk=0)
     total = 3 * plain["dense_layer"] + 58 * plain["moe_layer"] + plain["head"] + plain["mtp"]
     assert total == pytest.approx(flops_per_token(m, 4096), rel=1e-12)
     full = pipeline_piece_flops_per_token(dataclasses.replace(m, remat="full"), 4096, loss_chunk=16384)
+    down = {"dense_layer": 2 * 7168 * 18432, "moe_layer": 2 * 7168 * 2048, "head": 0}
     for piece in ("dense_layer", "moe_layer", "head"):
-        assert full[piece] == pytest.approx(4 / 3 * plain[piece], rel=1e-12)
+        assert full[piece] == pytest.approx(4 / 3 * plain[piece] - down[piece], rel=1e-12)
     assert full["mtp"] - plain["mtp"] == pytest.approx(full["head"] - plain["head"], rel=1e-12)
 
 
 def test_h200_plan_stages_are_balanced():
     """configs/mesh_256_h200.yaml, by hand (GFLOP per token at 4,096 tokens, executed, remat full):
     a MoE layer 6 x (187,105,280 attention + 396,361,728 active experts + 1,835,008 router
-    parameters) + 503.3 core = 4.0151, x 4/3 = 5.3535; a dense layer's MLP has the active
-    experts' 396,361,728 parameters with no router: 4.0041, x 4/3 = 5.3388; the head 6 x 7168 x
-    129,280 = 5.5601, x 4/3 (chunked loss) = 7.4135; MTP 12 x 7168^2 = 0.6166 + 4.0151 + 7.4135
-    = 12.0452. Total 3 x 5.3388 + 58 x 5.3535 + 7.4135 + 12.0452 = 345.98 over 32 stages: 10.812.
-    2 empty slots in front: stage 0 MTP alone (12.045), stage 1 two dense layers, stage 2 the
-    last dense and MoE layer 0, stages 3-30 two MoE layers (10.707), stage 31 MoE layer 57 and
-    the head (12.767): 1.181 x the mean."""
+    parameters) + 503.3 core = 4.0151, x 4/3 less the shared expert's down projection (2 x 7168 x
+    2048, not run again) = 5.3241; a dense layer's MLP has the active experts' 396,361,728
+    parameters with no router: 4.0041, x 4/3 less its down projection (2 x 7168 x 18432) = 5.0746;
+    the head 6 x 7168 x 129,280 = 5.5601, x 4/3 (chunked loss) = 7.4134; MTP 12 x 7168^2 = 0.6166
+    + 4.0151 + 7.4134 = 12.0451. Total 3 x 5.0746 + 58 x 5.3241 + 7.4134 + 12.0451 = 343.483 over
+    32 stages: 10.734. 2 empty slots in front: stage 0 MTP alone (12.045), stage 1 two dense
+    layers, stage 2 the last dense and MoE layer 0, stages 3-30 two MoE layers (10.648), stage 31
+    MoE layer 57 and the head (12.738): 1.187 x the mean."""
     config = load_config(
         [ROOT / "configs/deepseek_v3_671b.yaml", ROOT / "configs/mesh_256_h200.yaml"], ["run.cpu_devices=256"]
     )
     report = pipeline_report(config)
     assert report["slots_per_chunk"] == 2 and report["padding_slots"] == 3
     assert report["busiest_chunk"] == [0, 31]
-    assert report["stage_imbalance"] == pytest.approx(12.767 / 10.812, rel=2e-4)
+    assert report["stage_imbalance"] == pytest.approx(12.7376 / 10.7338, rel=2e-4)
     assert report["stage_imbalance"] <= 1.3
     work = report["chunk_work"][0]  # in executed MoE layers
-    assert work[0] == pytest.approx(12.045 / 5.3535, rel=2e-4) and work[3:31] == pytest.approx([2.0] * 28)
+    assert work[0] == pytest.approx(12.0451 / 5.3241, rel=2e-4) and work[3:31] == pytest.approx([2.0] * 28)
     assert report["bubble"] == pytest.approx(31 / (192 + 31))
 
 
@@ -327,23 +337,25 @@ def test_pipeline_bubble_is_a_step_part():
     assert p.bound == "pipeline bubble" and p.step_s == pytest.approx(6.0)
 
 
-def test_h200_plan_in_fp8_weighs_its_fp8_gemms_at_the_fp8_peak():
-    """The same plan with model.fp8=blockwise on an H200 (FP8 peak 2 x bf16's): attention
-    projections, dense MLPs and experts run in FP8, the attention core, router, head and MTP's
-    projection in bf16. In bf16 GFLOP per token: a MoE layer (1.1226 + 2.3782) / 2 + 0.5033 +
-    0.0110 = 2.2647, x 4/3 = 3.0196; a dense layer 3.0050; the head 7.4134 as in bf16; MTP
-    0.6166 + 2.2647 + 7.4134 = 10.2947. Total 3 x 3.0050 + 58 x 3.0196 + 7.4134 + 10.2947 =
-    201.862 over 32: 6.3082. Stage 31 (MoE layer 57 and the head): 10.4331, 1.654 x the mean;
-    the head and MTP do not shrink with FP8, the layers do."""
+def test_h200_plan_in_fp8_weighs_each_class_at_its_rate():
+    """The same plan with model.fp8=blockwise on an H200, every class at efficiency 0.5 (FP8 peak
+    2 x bf16's) and XLA's chunked core (n = 8 blocks of 512: 9/8 of the causal FLOPs run):
+    attention projections, dense MLPs and experts at the FP8 peak, the core, router, head and
+    MTP's projection at bf16's. In bf16 GFLOP per token: a MoE layer (1.1226 + 2.3782) / 2 +
+    0.5033 x 9/8 + 0.0110 = 2.3276, and its recompute (0.3742 + 0.7927 - 0.0294) / 2 + 0.1678 x
+    9/8 + 0.0037 = 0.7612: 3.0888; a dense layer 2.3166 + 0.6401 = 2.9567; the head 7.4134 as in
+    bf16; MTP 0.6166 + 2.3276 + 7.4134 = 10.3576. Total 3 x 2.9567 + 58 x 3.0888 + 7.4134 +
+    10.3576 = 205.794 over 32: 6.4311. Stage 31 (MoE layer 57 and the head): 10.5023, 1.633 x the
+    mean; the head and MTP do not shrink with FP8, the layers do."""
     config = load_config(
         [ROOT / "configs/deepseek_v3_671b.yaml", ROOT / "configs/mesh_256_h200.yaml"],
-        ["run.cpu_devices=256", "model.fp8=blockwise"],
+        ["run.cpu_devices=256", "model.fp8=blockwise", "model.attention=chunked"],
     )
-    on_h200 = pipeline_report(config, "h200")
+    on_h200 = pipeline_report(config, "h200", Assumptions(compute_efficiency=0.5))
     assert on_h200["busiest_chunk"] == [0, 31]
-    assert on_h200["stage_imbalance"] == pytest.approx(10.4331 / 6.3082, rel=2e-4)
-    assert on_h200["chunk_work"][0][0] == pytest.approx(10.2947 / 3.0196, rel=2e-4)
-    assert pipeline_report(config)["stage_imbalance"] == pytest.approx(12.767 / 10.812, rel=2e-4)  # FLOPs alone
+    assert on_h200["stage_imbalance"] == pytest.approx(10.5023 / 6.4311, rel=2e-4)
+    assert on_h200["chunk_work"][0][0] == pytest.approx(10.3576 / 3.0888, rel=2e-4)
+    assert pipeline_report(config)["stage_imbalance"] == pytest.approx(12.7376 / 10.7338, rel=2e-4)  # FLOPs alone
 
 
 def test_dry_run_reports_the_chunks_of_its_slot_layout():

@@ -2,25 +2,30 @@
 
 Per-GPU system figures (`SYSTEMS`) are datasheet numbers; everything else the planner
 assumes is a field of `Assumptions`, named flat as `sweep --assume NAME=VALUE` sets it
-(`names`, `assume`) and recorded with its source in the sweep's JSON (`table`):
+(`values`, `assume`) and recorded with its source in the sweep's JSON (`table`):
 
-  compute_efficiency                      fraction of a GEMM class's dense peak reached
-  latency_s.TIER                          seconds per ring hop of one launch
-  link_efficiency.TIER.KIND               fraction of the link's bandwidth a collective kind reaches
-  overlap.TIER.KIND.PHASE                 fraction of a collective class's time under compute
-  a2a_batch_split_overlap                 the expert all-to-all's hidden fraction under
-                                          moe.overlap=batch_split, credited only where the lowered
-                                          program has independent chains (maxmoe.analysis.hlo_deps)
-
-TIER is scale_up or scale_out; KIND a collective kind; PHASE loop (inside the micro-batch loop
-or the layer scan) or step (once per step, outside every loop).
+  calibration                   the measured kernel rates each compute class runs at
+                                (maxmoe.kernels.rates; maxmoe.analysis.calibration), `sweep --calibration`
+  compute_efficiency.CLASS      a class's (or a kernel class's) fraction of its peak, set by hand
+  compute_efficiency            every class at one fraction: a sensitivity, not a prediction
+  latency_s.TIER                seconds per hop of one launch
+  link_efficiency.TIER.KIND     fraction of the link's bandwidth a collective kind reaches
+  overlap.TIER.KIND.PHASE       fraction of a collective class's time under compute
+  a2a_batch_split_overlap       the expert all-to-all's hidden fraction under moe.overlap=batch_split
+(TIER: scale_up or scale_out; KIND: a collective kind; PHASE: loop, step or dependent).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from maxmoe.kernels.rates import DEFAULT_RATES, KERNEL_CLASSES
+
 GB = 1e9
+# The classes a compute efficiency may be set for: maxmoe.analysis.flops's GEMM classes, context
+# parallelism's latent up-projections, and the kernel classes of maxmoe.kernels.rates.
+COMPUTE_CLASSES = ("attention", "attention_core", "router", "dense_mlp", "shared_experts", "routed_experts", "head")
+EFFICIENCY_CLASSES = (*COMPUTE_CLASSES, "latent_up", *(k for k in KERNEL_CLASSES if k not in COMPUTE_CLASSES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,7 @@ class System:
     scale_out_gb_s: float  # NICs, per GPU per direction
     domain_gpus: int  # GPUs per NVLink domain
     arch: str = "hopper"  # hopper or blackwell: which FP8 GEMMs lower (maxmoe.analysis.flops.fp8_gemm_classes)
+    device_kind: str = ""  # as jax names it: which kernels `auto` picks there (maxmoe.kernels.choice)
 
     def peak_tflops(self, precision: str) -> float:
         return {"bf16": self.peak_bf16_tflops, "fp8": self.peak_fp8_tflops}[precision]
@@ -57,11 +63,11 @@ class System:
 #       per GPU; 20 TB HBM3e (279 GB per GPU as the devices report it) at 576 TB/s (8 TB/s
 #       each); NVLink 130 TB/s; ConnectX-8 800 Gb/s = 100 GB/s per GPU (4 per 4-GPU tray).
 SYSTEMS = {
-    "h100": System("h100", 989.4, 1978.9, 80.0, 3.35, 450.0, 50.0, 8),
-    "h200": System("h200", 989.4, 1978.9, 141.0, 4.8, 450.0, 50.0, 8),
-    "b200": System("b200", 2250.0, 4500.0, 180.0, 8.0, 900.0, 50.0, 8, "blackwell"),
-    "gb200": System("gb200", 2500.0, 5000.0, 186.0, 8.0, 900.0, 50.0, 72, "blackwell"),
-    "gb300": System("gb300", 2500.0, 5000.0, 279.0, 8.0, 900.0, 100.0, 72, "blackwell"),
+    "h100": System("h100", 989.4, 1978.9, 80.0, 3.35, 450.0, 50.0, 8, "hopper", "NVIDIA H100"),
+    "h200": System("h200", 989.4, 1978.9, 141.0, 4.8, 450.0, 50.0, 8, "hopper", "NVIDIA H200"),
+    "b200": System("b200", 2250.0, 4500.0, 180.0, 8.0, 900.0, 50.0, 8, "blackwell", "NVIDIA B200"),
+    "gb200": System("gb200", 2500.0, 5000.0, 186.0, 8.0, 900.0, 50.0, 72, "blackwell", "NVIDIA GB200"),
+    "gb300": System("gb300", 2500.0, 5000.0, 279.0, 8.0, 900.0, 100.0, 72, "blackwell", "NVIDIA GB300"),
 }
 SYSTEM_SOURCE = "vendor datasheets, dense peaks (maxmoe/analysis/assumptions.py, SYSTEMS)"
 
@@ -102,9 +108,15 @@ DEFAULT_OVERLAP = (
 
 @dataclasses.dataclass(frozen=True)
 class Assumptions:
-    """Efficiencies, latencies and overlap fractions; a class not in `overlap` is exposed."""
+    """Efficiencies, latencies and overlap fractions; a class not in `overlap` is exposed.
 
-    compute_efficiency: float = 0.5
+    Compute runs at the calibration's measured rates (maxmoe.analysis.calibration) unless
+    `class_efficiency` ((class, fraction), ...) sets a class by hand or `compute_efficiency`
+    sets every class (a uniform sensitivity)."""
+
+    compute_efficiency: float | None = None
+    class_efficiency: tuple = ()
+    calibration: str = str(DEFAULT_RATES)
     latency_s: tuple = (("scale_up", 2e-6), ("scale_out", 5e-6))  # per ring hop
     link_efficiency: tuple = DEFAULT_LINK  # ((tier, kind), fraction)
     overlap: tuple = DEFAULT_OVERLAP  # ((tier, kind, phase), fraction)
@@ -125,9 +137,10 @@ def _kind(kind: str) -> str:
 
 
 SOURCES = {
-    "compute_efficiency": (
-        "planner default 0.5 of each GEMM class's dense peak, uncalibrated: to be measured as "
-        "proxy_1gpu's MFU on one GPU (benchmarks/gpu_suite.sh); quantisation passes not charged"
+    "compute_efficiency": "set by hand (--assume): every class at this fraction of its peak, a sensitivity",
+    "calibration": (
+        "measured kernel rates, each with its device, date, commit and command (maxmoe.kernels.rates); "
+        "every class's efficiency and its source are in the prediction's `compute`"
     ),
     "latency_s.scale_up": "planner default: 2 us per ring hop over NVLink (NCCL small-message latency order)",
     "latency_s.scale_out": "planner default: 5 us per ring hop over InfiniBand/RoCE",
@@ -150,7 +163,9 @@ def _source(name: str) -> str:
 
 def values(a: Assumptions) -> dict[str, float]:
     """Every assumption of `a` under its flat name (the names `assume` takes)."""
-    out = {"compute_efficiency": a.compute_efficiency, "a2a_batch_split_overlap": a.a2a_batch_split_overlap}
+    out = {"compute_efficiency": a.compute_efficiency} if a.compute_efficiency is not None else {}
+    out.update({f"compute_efficiency.{cls}": v for cls, v in a.class_efficiency})
+    out["a2a_batch_split_overlap"] = a.a2a_batch_split_overlap
     out.update({f"latency_s.{tier}": v for tier, v in a.latency_s})
     out.update({f"link_efficiency.{tier}.{kind}": v for (tier, kind), v in a.link_efficiency})
     out.update({f"overlap.{tier}.{kind}.{phase}": v for (tier, kind, phase), v in a.overlap})
@@ -159,7 +174,8 @@ def values(a: Assumptions) -> dict[str, float]:
 
 def table(a: Assumptions) -> dict[str, dict]:
     """{name: {"value", "source"}} of every assumption of `a`, for the JSON record."""
-    return {name: {"value": v, "source": _source(name)} for name, v in values(a).items()}
+    out = {"calibration": {"value": a.calibration, "source": SOURCES["calibration"]}}
+    return out | {name: {"value": v, "source": _source(name)} for name, v in values(a).items()}
 
 
 def assume(a: Assumptions, text: str) -> Assumptions:
@@ -181,14 +197,22 @@ def assume(a: Assumptions, text: str) -> Assumptions:
         raise ValueError(f"--assume {text!r}: {parts[0]} is a fraction in (0, 1]")
     if name in ("compute_efficiency", "a2a_batch_split_overlap"):
         return dataclasses.replace(a, **{name: value})
+    if parts[0] == "compute_efficiency" and len(parts) == 2 and parts[1] in EFFICIENCY_CLASSES:
+        return dataclasses.replace(a, class_efficiency=_set(a.class_efficiency, parts[1], value))
     if parts[0] == "latency_s" and len(parts) == 2 and parts[1] in TIERS:
         return dataclasses.replace(a, latency_s=_set(a.latency_s, parts[1], value))
     if parts[0] == "link_efficiency" and len(parts) == 3 and parts[1] in TIERS and parts[2] in KINDS:
         return dataclasses.replace(a, link_efficiency=_set(a.link_efficiency, (parts[1], parts[2]), value))
     if parts[0] == "overlap" and len(parts) == 4 and parts[1] in TIERS and parts[2] in KINDS and parts[3] in PHASES:
         return dataclasses.replace(a, overlap=_set(a.overlap, (parts[1], _kind(parts[2]), parts[3]), value))
-    known = ", ".join(sorted({n.rsplit(".", 1)[0] if n.count(".") > 1 else n for n in values(a)}))
-    raise ValueError(f"--assume {text!r}: unknown name {name!r} (known: {known}, with .TIER[.KIND[.PHASE]])")
+    known = ", ".join(
+        sorted({n.rsplit(".", 1)[0] if n.count(".") > 1 else n for n in values(a)} | {"compute_efficiency"})
+    )
+    classes = ", ".join(EFFICIENCY_CLASSES)
+    raise ValueError(
+        f"--assume {text!r}: unknown name {name!r} (known: {known}, with .TIER[.KIND[.PHASE]]; "
+        f"compute_efficiency.CLASS for CLASS in {classes})"
+    )
 
 
 def _set(pairs: tuple, key, value: float) -> tuple:

@@ -46,14 +46,15 @@ per device:
               busiest branch. The planner uses the analytic count instead
               (stage_imbalance, compute_scale: maxmoe.analysis.planner.pipeline_compute_scale):
               each chunk's executed FLOPs (dense and MoE slots with model.remat's recompute,
-              the head with its loss, MTP; on a system, the GEMM classes the recipe runs in
-              FP8 there at its FP8 peak), empty slots free, the end stages' extra work only
-              on those stages.
+              the head with its loss, MTP; on a system, each class's FLOPs timed at its
+              kernel's calibrated rate there), empty slots free, the end stages' extra work
+              only on those stages.
   prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
-              GPU, MFU and bound (step_workload): model FLOPs for throughput, executed FLOPs
-              (model.remat's recompute and context parallelism's up-projections added) for
-              time, each split into the GEMM classes the recipe runs in FP8 on the system and
-              the rest; the collectives as the GPU moves
+              GPU, MFU and bound (step_workload): model FLOPs for throughput; for time, the
+              executed FLOPs of each class on the kernel that runs it on the system, at its
+              precision (maxmoe.analysis.charging: model.remat's and the chunked loss's
+              recompute, context parallelism's up-projections, the kernel's overhead), each at
+              its calibrated rate (maxmoe.analysis.calibration); the collectives as the GPU moves
               them, by tier, pass and whether they sit in a loop, their launches counted after
               the system's xla_flags combine thresholds; memory; whether the expert all-to-all
               has independent chains to hide under (moe.overlap=batch_split, read from one MoE
@@ -90,21 +91,15 @@ import math
 import time
 
 from maxmoe.analysis import planner
-from maxmoe.analysis.flops import (
-    context_flops_per_token,
-    count_params,
-    flops_per_token,
-    flops_per_token_by_class,
-    fp8_gemm_classes,
-    pipeline_piece_flops_per_token,
-    recompute_flops_per_token,
-)
+from maxmoe.analysis.charging import compute_rows, seconds_per_flop
+from maxmoe.analysis.flops import count_params, flops_per_token, pipeline_piece_flops_per_token
 from maxmoe.analysis.half_width import compile_half_width
 from maxmoe.analysis.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
 from maxmoe.analysis.hlo_slices import parse_computations, sliced_elements
 from maxmoe.analysis.hlo_widened import MOVING, narrowed_operands
 from maxmoe.analysis.lowering import a2a_independent_chains
 from maxmoe.config import Config, ConfigError
+from maxmoe.config.mesh import mesh_sizes
 from maxmoe.kernels.choice import Choice
 from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN
 from maxmoe.parallel.fp8_dispatch import payload_bytes_per_row
@@ -173,30 +168,35 @@ def emulation_temp_bytes(config: Config, sizes: dict[str, int], plan) -> float:
     return 2.0 * p * rows * m.hidden_size * width
 
 
-def pipeline_pieces(config: Config, system: str | None = None) -> dict[str, float]:
-    """What each piece of the stage plan costs a stage, in bf16 FLOPs per token: its executed
-    FLOPs (maxmoe.analysis.flops.pipeline_piece_flops_per_token), those of the GEMM classes the recipe
-    runs in FP8 on `system` scaled by its bf16 over FP8 peak (time is what a tick waits for)."""
+def pipeline_pieces(config: Config, weights: dict[str, float] | None = None) -> dict[str, float]:
+    """What each piece of the stage plan costs a stage per token: its executed FLOPs
+    (maxmoe.analysis.flops.pipeline_piece_flops_per_token), each class's weighted by `weights`
+    ({class: seconds per FLOP}, maxmoe.analysis.charging.seconds_per_flop: time is what a tick
+    waits for); without weights, FLOPs."""
     m, t = config.model, config.train
-    pieces = pipeline_piece_flops_per_token(m, t.seq_len, t.loss_chunk)
-    fp8 = fp8_gemm_classes(m.fp8, planner.SYSTEMS[system].arch) if system else ()
-    if not fp8:
-        return pieces
-    s = planner.SYSTEMS[system]
-    saved = 1.0 - s.peak_tflops("bf16") / s.peak_tflops("fp8")
-    in_fp8 = pipeline_piece_flops_per_token(m, t.seq_len, t.loss_chunk, classes=fp8)
-    return {k: pieces[k] - saved * in_fp8[k] for k in pieces}
+    expert_parallel = math.prod(mesh_sizes(config).values()) > 1
+    if not weights:
+        return pipeline_piece_flops_per_token(m, t.seq_len, t.loss_chunk, expert_parallel=expert_parallel)
+    out: dict[str, float] = {}
+    for name, weight in weights.items():
+        part = pipeline_piece_flops_per_token(m, t.seq_len, t.loss_chunk, (name,), expert_parallel)
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + weight * v
+    return out
 
 
-def pipeline_report(config: Config, system: str | None = None) -> dict | None:
+def pipeline_report(config: Config, system: str | None = None, assumptions=None) -> dict | None:
     """The pipeline schedule of a config: stages, chunks, slots, analytic bubble, items in flight,
-    and the planner's stage_imbalance and compute_scale (on `system`: its FP8 GEMMs at its FP8 peak)."""
+    and the planner's stage_imbalance and compute_scale (on `system`: each class's work timed at
+    its kernel's calibrated rate there, maxmoe.analysis.charging.seconds_per_flop)."""
     slots = slot_layout(config)
     if slots is None:
         return None
     turnaround = 2 if config.model.mtp_num_layers else 1  # MTP: the tail on stage 0 (maxmoe.training.pipeline_step)
     schedule = build_schedule(slots.stages, slots.virtual, config.train.grad_accum, turnaround)
-    pieces = pipeline_pieces(config, system)
+    devices = math.prod(mesh_sizes(config).values())
+    weights = seconds_per_flop(config, system, devices, assumptions) if system else None
+    pieces = pipeline_pieces(config, weights)
     dense, moe = (slots.dense_at() >= 0).sum(-1).tolist(), slots.mask().sum(-1).tolist()  # [V][P]
     return {
         "stages": slots.stages,
@@ -336,21 +336,21 @@ def step_workload(
     devices: int,
     memory_bytes: float,
     pipeline,
-    system: str | None = None,
+    system: str,
     a2a_independent_chains: bool = False,
+    assumptions=None,
 ) -> planner.Workload:
-    """The planner's Workload of one step on `system`: model FLOPs, executed FLOPs (model.remat's
-    recompute added), the part of each in the GEMM classes the recipe runs in FP8 on the system's
-    architecture, the collectives `rows` (as_on_gpu's) combined as the system's xla_flags profile
-    combines them, the compiled footprint, the optimizer's HBM bytes and, with stages
-    (`pipeline`: pipeline_report's), their bubble and imbalance."""
+    """The planner's Workload of one step on `system`: model FLOPs; the compute rows (each class's
+    executed FLOPs on the kernel that runs it there: maxmoe.analysis.charging); the collectives
+    `rows` (as_on_gpu's) combined as the system's xla_flags profile combines them; the compiled
+    footprint; the optimizer's HBM bytes; with stages (`pipeline`: pipeline_report's), their bubble
+    and imbalance, each class's work timed under `assumptions`."""
     t = config.train
     tokens = t.batch_size * t.seq_len
     params = count_params(config.model)
-    per_device = tokens / devices
     workload = planner.workload_from_ops(
         rows,
-        flops_per_token(config.model, t.seq_len) * per_device,
+        flops_per_token(config.model, t.seq_len) * tokens / devices,
         tokens,
         devices,
         memory_bytes=memory_bytes,
@@ -358,23 +358,13 @@ def step_workload(
         combine_bytes=combine_thresholds(system),
         micro_batches=t.grad_accum,
     )
-    arch = planner.SYSTEMS[system].arch if system else "hopper"
-    fp8 = fp8_gemm_classes(config.model.fp8, arch)
-    by_class = flops_per_token_by_class(config.model, t.seq_len)
-    again = recompute_flops_per_token(config.model, t.seq_len)
-    moved = context_flops_per_token(config.model, config.mesh.context)  # the latent core's up-projections
-    model_fp8 = sum(by_class[k] for k in fp8)
-    executed = sum(by_class.values()) + sum(again.values()) + sum(moved.values())
-    executed_fp8 = model_fp8 + sum(again[k] for k in fp8) + sum(v for k, v in moved.items() if k in fp8)
     workload = dataclasses.replace(
         workload,
-        fp8_flops_per_device=model_fp8 * per_device,
-        executed_flops_per_device=executed * per_device,
-        fp8_executed_flops_per_device=executed_fp8 * per_device,
+        compute=compute_rows(config, system, devices),
         a2a_independent_chains=a2a_independent_chains,
     )
-    if pipeline is not None:  # the imbalance on this system (FP8 pieces run faster), whatever the stored one's
-        balance = pipeline_report(config, system)
+    if pipeline is not None:  # the imbalance on this system (each class at its rate), whatever the stored one's
+        balance = pipeline_report(config, system, assumptions)
         workload = dataclasses.replace(workload, bubble=balance["bubble"], stage_imbalance=balance["stage_imbalance"])
     return workload
 
@@ -382,6 +372,7 @@ def step_workload(
 def replan(result: dict, config: Config, system: str, assumptions=None) -> dict:
     """The planner's report for a stored dry-run result (its `planner_rows`, memory and pipeline)
     on `system` under `assumptions`: a prediction again without compiling."""
+    assumptions = assumptions or planner.Assumptions()
     workload = step_workload(
         config,
         result["planner_rows"],
@@ -390,8 +381,9 @@ def replan(result: dict, config: Config, system: str, assumptions=None) -> dict:
         result.get("pipeline"),
         system,
         result.get("a2a_independent_chains", False),
+        assumptions,
     )
-    return planner.report(workload, planner.SYSTEMS[system], assumptions or planner.Assumptions())
+    return planner.report(workload, planner.SYSTEMS[system], assumptions)
 
 
 def bubble_baseline(config: Config) -> Config:
@@ -526,11 +518,11 @@ def dry_run_shape(
     t = shaped.train
     tokens = t.batch_size * t.seq_len
     flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
-    pipeline = pipeline_report(shaped, system)
+    pipeline = pipeline_report(shaped, system, assumptions)
     prediction = None
     chains = a2a_independent_chains(shaped, devices) if ragged else False
     if system is not None:
-        workload = step_workload(shaped, rows, mesh.size, total, pipeline, system, chains)
+        workload = step_workload(shaped, rows, mesh.size, total, pipeline, system, chains, assumptions)
         prediction = planner.report(workload, planner.SYSTEMS[system], assumptions or planner.Assumptions())
     if shaped.mesh.scale_up_domain:
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"

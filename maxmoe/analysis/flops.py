@@ -23,9 +23,8 @@ the main model and in each MTP depth; the router, the attention core, the head a
 
 from __future__ import annotations
 
-import dataclasses
-
 from maxmoe.analysis.assumptions import SYSTEMS
+from maxmoe.analysis.recompute import block_gemm_flops, block_recompute_flops, recomputed_gemms
 from maxmoe.config import ModelConfig
 
 # Dense bf16 peak TFLOP/s per device (datasheet, without sparsity): the planner's system table.
@@ -136,42 +135,22 @@ def flops_per_token_by_class(m: ModelConfig, seq_len: int) -> dict[str, float]:
     }
 
 
-# The GEMM classes a remat policy (maxmoe.model.transformer.REMAT_POLICIES) runs forward again in
-# the backward pass of the scanned blocks (the dense stack and the MoE stack; MTP's block and
-# the head are not rematerialised). save_matmuls keeps dots without batch dims (projections,
-# router, dense and shared MLPs): the attention core and the grouped expert GEMMs run again.
-# save_moe keeps the expert gate/up and the attention output: the attention's backward needs
-# its inner values again (projections, core), and the router and shared experts theirs.
-# save_dots_comm keeps both lists: the attention core runs again.
-# Checked against compiled programs (dry runs, 671B on 256 GB300s, mxfp8): full's dot FLOPs are
-# 1.306 x none's, this table says 1.313 (the head and MTP are not rematerialised either way);
-# save_matmuls' are 1.229 x, this table says 1.196 (until the FP8 GEMMs' outputs were named,
-# FP8_DENSE_OUT, the policy saw no dot under mxfp8 and compiled to full's 1.305 x).
-RECOMPUTED_CLASSES = {
-    "none": (),
-    "full": ("attention", "attention_core", "router", "dense_mlp", "shared_experts", "routed_experts"),
-    "save_comm": ("attention", "attention_core", "router", "dense_mlp", "shared_experts", "routed_experts"),
-    "save_matmuls": ("attention_core", "routed_experts"),
-    "save_moe": ("attention", "attention_core", "router", "shared_experts"),
-    "save_dots_comm": ("attention_core",),
-}
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, expert_parallel: bool = True) -> dict[str, float]:
+    """FLOPs per token that `model.remat` runs again (forward passes of GEMMs) of each GEMM class, in
+    the scanned blocks only (the main model's layers, not MTP): the GEMMs the policy's saved names
+    leave to recompute (maxmoe.analysis.recompute; `expert_parallel`: the dispatch and combine
+    rows can be saved, as they carry their names only under a dispatch plan)."""
+    dense = block_recompute_flops(m, seq_len, moe=False, expert_parallel=expert_parallel)
+    moe = block_recompute_flops(m, seq_len, moe=True, expert_parallel=expert_parallel)
+    moe_layers = m.num_layers - m.first_k_dense
+    return {k: m.first_k_dense * dense.get(k, 0.0) + moe_layers * moe.get(k, 0.0) for k in GEMM_CLASSES if k != "head"}
 
 
-def recomputed_classes(m: ModelConfig) -> tuple[str, ...]:
-    """The GEMM classes `model.remat` runs forward again (RECOMPUTED_CLASSES)."""
-    classes = RECOMPUTED_CLASSES.get(m.remat)
-    if classes is None:
-        raise ValueError(f"model.remat={m.remat!r}: no recompute table entry")
-    return classes
-
-
-def recompute_flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
-    """FLOPs per token that `model.remat` runs again (a forward pass: a third of the training
-    FLOPs) of each GEMM class, in the scanned blocks only (the main model's layers, not MTP)."""
-    classes = recomputed_classes(m)
-    main = dataclasses.replace(m, mtp_num_layers=0)
-    by_class = flops_per_token_by_class(main, seq_len)
-    return {k: (by_class[k] / 3.0 if k in classes else 0.0) for k in GEMM_CLASSES if k != "head"}
+def head_recompute_flops_per_token(m: ModelConfig, loss_chunk: int) -> float:
+    """FLOPs per token the chunked loss runs again: with train.loss_chunk > 0 its backward projects
+    each vocabulary block again (maxmoe.training.loss), a forward of the head for the main model
+    and each MTP depth (2 D V each); not MTP's [2D, D] projection."""
+    return 2.0 * m.hidden_size * m.vocab_size * (1 + m.mtp_num_layers) if loss_chunk > 0 else 0.0
 
 
 def context_flops_per_token(m: ModelConfig, context: int) -> dict[str, float]:
@@ -190,9 +169,9 @@ def context_flops_per_token(m: ModelConfig, context: int) -> dict[str, float]:
         return {}
     u = m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
     layers = m.num_layers + m.mtp_num_layers  # every attention block
-    classes = recomputed_classes(m)
-    again = m.num_layers if "attention_core" in classes else 0  # scanned blocks (MTP's is not rematerialised)
-    projection_again = m.num_layers if "attention" in classes else 0
+    gemms = recomputed_gemms(m.remat, moe=True, q_lora=bool(m.q_lora_rank))  # the attention part of any block
+    again = m.num_layers if "core" in gemms else 0  # scanned blocks (MTP's is not rematerialised)
+    projection_again = m.num_layers if "kv_up" in gemms else 0
     return {
         "attention": -6.0 * u * layers - 2.0 * u * projection_again,
         "latent_up": 8.0 * context * u * layers + 2.0 * context * u * again,
@@ -218,48 +197,42 @@ FP8_GEMM_CLASSES = {
 
 
 def pipeline_piece_flops_per_token(
-    m: ModelConfig, seq_len: int, loss_chunk: int, classes: tuple[str, ...] | None = None
+    m: ModelConfig,
+    seq_len: int,
+    loss_chunk: int,
+    classes: tuple[str, ...] | None = None,
+    expert_parallel: bool = True,
 ) -> dict[str, float]:
     """Executed training FLOPs per token of the pieces a pipeline places on its stages.
 
-    dense_layer, moe_layer: one layer, plus what `model.remat` runs again in its backward
-    (RECOMPUTED_CLASSES: a forward, a third of the training FLOPs, of each recomputed GEMM
-    class). head: the output head with the loss; with loss_chunk > 0 the chunked loss's
-    backward projects each vocabulary block again (maxmoe.training.loss: 4/3 of the head's
-    training FLOPs). mtp: every MTP depth -- its [2D, D] projection, its MoE block (not
-    rematerialised) and the head again, as `head`. classes: only the FLOPs of these GEMM
-    classes (flops_per_token_by_class's names; the head and MTP's projection are "head").
+    dense_layer, moe_layer: one layer, plus the GEMMs `model.remat` runs again in its backward
+    (maxmoe.analysis.recompute, one forward each). head: the output head with the loss; with
+    loss_chunk > 0 the chunked loss's backward projects each vocabulary block again (+2 D V).
+    mtp: every MTP depth -- its [2D, D] projection, its MoE block (not rematerialised) and the
+    head again, as `head`. classes: only the FLOPs of these GEMM classes
+    (flops_per_token_by_class's names; the head and MTP's projection are "head").
     """
-    recomputed = recomputed_classes(m)
-    d = m.hidden_size
-    expert = 6.0 * 3 * d * m.moe_mlp_dim
-    shared = {
-        "attention": 6.0 * _attention_params(m),
-        "attention_core": 3.0 * seq_len * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim),
-    }
-    dense = {**shared, "dense_mlp": 6.0 * 3 * d * m.mlp_dim}
-    moe = {
-        **shared,
-        "router": 6.0 * d * m.num_experts,
-        "shared_experts": expert * m.num_shared_experts,
-        "routed_experts": expert * m.experts_per_token,
-    }
 
     def counted(name):
         return classes is None or name in classes
 
-    def executed(flops, again):
-        return sum(
-            f * (4.0 / 3.0 if again and name in recomputed else 1.0) for name, f in flops.items() if counted(name)
-        )
+    def layer(moe: bool, again: bool) -> float:
+        per_gemm = block_gemm_flops(m, seq_len, moe)
+        total = sum(3.0 * f for cls, f in per_gemm.values() if counted(cls))
+        if again:
+            total += sum(
+                f for cls, f in block_recompute_flops(m, seq_len, moe, expert_parallel).items() if counted(cls)
+            )
+        return total
 
-    head = 6.0 * d * m.vocab_size * (4.0 / 3.0 if loss_chunk > 0 else 1.0) if counted("head") else 0.0
+    d = m.hidden_size
+    head = 6.0 * d * m.vocab_size + 2.0 * d * m.vocab_size * (loss_chunk > 0) if counted("head") else 0.0
     projection = 6.0 * 2 * d * d if counted("head") else 0.0
     return {
-        "dense_layer": executed(dense, True),
-        "moe_layer": executed(moe, True),
+        "dense_layer": layer(False, True),
+        "moe_layer": layer(True, True),
         "head": head,
-        "mtp": m.mtp_num_layers * (projection + executed(moe, False) + head),
+        "mtp": m.mtp_num_layers * (projection + layer(True, False) + head),
     }
 
 
@@ -292,6 +265,7 @@ __all__ = [
     "flops_per_token_by_class",
     "fp8_gemm_classes",
     "recompute_flops_per_token",
+    "head_recompute_flops_per_token",
     "context_flops_per_token",
     "mfu",
 ]

@@ -6,25 +6,27 @@
 xla.profile). The model, per device and per step; every constant is a field of
 `Assumptions` with its public source (maxmoe.analysis.assumptions; `sweep --assume NAME=VALUE`):
 
-  compute     t_c = (X - X8) / (peak_bf16 x e) + X8 / (peak_fp8 x e), e = compute_efficiency.
-              X: executed FLOPs (model FLOPs plus what model.remat runs again:
-              maxmoe.analysis.flops.recompute_flops_per_token, and with mesh.context > 1 the latent
-              core's up-projections: context_flops_per_token); X8: the part in the GEMM classes the
-              recipe and the system's kernels run in FP8 (maxmoe.analysis.flops.fp8_gemm_classes: under
-              mxfp8 and tensorwise the routed experts run bf16 kernels). Model FLOPs give
+  compute     t_c = sum over compute rows of X_r / (peak[r] x e_r). A row (Compute) is one class of
+              FLOPs on one kernel (maxmoe.analysis.charging): X_r its executed FLOPs (model FLOPs,
+              what model.remat and the chunked loss run again, context parallelism's up-projections,
+              times the kernel's overhead: ragged_dot's G x, padded attention), peak[r] the bf16 or
+              FP8 peak it runs at, e_r its efficiency (maxmoe.analysis.calibration: the rate its
+              kernel was measured at, carried from another device, assumed, or uncalibrated; each
+              row's value and source are in the prediction's `compute`). Model FLOPs give
               TFLOP/s per GPU and MFU; MFU is against the peak of the precision each class
-              runs at (the bf16 peak for bf16 rows; `mfu_bf16_peak` beside it). With pipeline
-              stages the stages' timeline is t_c / (1 - bubble) x stage_imbalance: the
-              parts "pipeline bubble" (the schedule's idle ticks) and "stage imbalance" (the
-              busiest chunk's executed FLOPs over the mean: pipeline_compute_scale) apart.
-  collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link[tier, kind]).
+              runs at (`mfu_bf16_peak` beside it). With pipeline stages the stages' timeline is
+              t_c / (1 - bubble) x stage_imbalance: the parts "pipeline bubble" and "stage
+              imbalance" (the busiest chunk's time over the mean: pipeline_compute_scale) apart.
+  collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link[tier, kind]); a
+              row of zero bytes or one device moves nothing and launches nothing.
               Launches are counted after XLA:GPU's combining: the all-gathers, reduce-scatters
               and all-reduces of one computation, pass, tier and group size merge up to the
               system's profile thresholds (maxmoe.xla_flags: xla_gpu_*_combine_threshold_bytes,
               on result bytes); XLA:CPU's program, which the dry run reads, has no such
               combining. Bytes per launch set the effective efficiency through the latency
               term (an alpha-beta model). hops = P - 1 for a ring pass (all-gather,
-              reduce-scatter), 2 (P - 1) for an all-reduce, 1 for an all-to-all or a permute.
+              reduce-scatter), 2 ceil(log2 P) for an all-reduce (NCCL's tree or NVLink SHARP: a
+              latency-bound all-reduce is not a ring), 1 for an all-to-all or a permute.
               tier: scale_up (inside a scale-up domain) or scale_out.
   overlap     a fraction overlap[(tier, kind, phase)] of t_i runs under compute, the rest adds
               to the step. phase "loop": the op sits in a loop (micro-batches, layer scan),
@@ -51,8 +53,9 @@ xla.profile). The model, per device and per step; every constant is a field of
               all-to-all, scale-up traffic, cross-domain traffic (a fabric whose hidden
               traffic outlasts a pass's compute takes that pass's time), memory -- or "memory
               (does not fit)" when the compiled footprint exceeds HBM.
-Rough where it is rough: no contention between collectives sharing a fabric, no stragglers or
-jitter, one efficiency for every GEMM shape, ring latency only, the expert all-to-all assumed
+Rough where it is rough: no contention between collectives sharing a fabric (nor with the
+GEMMs for SMs), no stragglers or jitter, one measured shape per kernel, no time for what is not
+a GEMM (norms, softmax, the loss's log-sum-exp, sorting), the expert all-to-all assumed
 balanced (what the dry run's stand-in moves), combining within the thresholds assumed
 unhindered by data dependences inside one pass.
 """
@@ -60,13 +63,16 @@ unhindered by data dependences inside one pass.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from maxmoe.analysis.assumptions import GB, KINDS, PHASES, SYSTEMS, TIERS, Assumptions, System, table
+from maxmoe.analysis.calibration import efficiency
 from maxmoe.parallel.names import LATENT_GATHER, ZERO1_REDUCTION
 
-__all__ = ["GB", "SYSTEMS", "System", "Assumptions", "KINDS", "PHASES", "TIERS"]
+__all__ = ["GB", "SYSTEMS", "System", "Assumptions", "KINDS", "PHASES", "TIERS", "Compute"]
 PASSES = ("forward", "backward", "other")
 DEFAULT_ASSUMPTIONS = Assumptions()
+SENSITIVITY_EFFICIENCY = 0.5  # the uniform efficiency reported beside a calibrated prediction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,22 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
+class Compute:
+    """One class of a step's FLOPs on one kernel, per device per step (maxmoe.analysis.charging)."""
+
+    name: str  # maxmoe.analysis.flops's GEMM class, or latent_up
+    kernel_class: str  # dense_gemm, grouped_gemm or attention_core (maxmoe.kernels.rates)
+    backend: str  # the kernel that runs it
+    precision: str  # bf16 or the model.fp8 recipe
+    peak: str  # "bf16" or "fp8": the peak the kernel runs at
+    model_flops: float
+    executed_flops: float  # model + recompute, x the kernel's overhead
+    overhead: float = 1.0  # executed over useful FLOPs of the kernel
+    dims: tuple = ()  # ((name, size), ...): the shape a measured rate is matched by
+    reason: str = ""  # why this kernel
+
+
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """What one step costs one device."""
 
@@ -99,19 +121,15 @@ class Workload:
     collectives: tuple[Collective, ...] = ()
     memory_bytes: float = 0.0  # compiled footprint, for the fits check
     optimizer_bytes: float = 0.0  # HBM bytes the optimizer update reads and writes
-    fp8_flops_per_device: float = 0.0  # model FLOPs in the GEMM classes that run in FP8
-    executed_flops_per_device: float = 0.0  # model + recompute; 0: the model FLOPs
-    fp8_executed_flops_per_device: float = 0.0  # of which in FP8 classes; 0 with executed 0: fp8_flops
+    compute: tuple[Compute, ...] = ()  # the FLOPs by class and kernel
     bubble: float = 0.0  # the pipeline schedule's idle fraction
     stage_imbalance: float = 1.0  # busiest pipeline chunk over the mean
     a2a_independent_chains: bool = False  # moe.overlap=batch_split, verified on the lowered program
 
     @property
-    def executed(self) -> tuple[float, float]:
-        """(executed FLOPs, of which FP8)."""
-        if self.executed_flops_per_device:
-            return self.executed_flops_per_device, self.fp8_executed_flops_per_device
-        return self.flops_per_device, self.fp8_flops_per_device
+    def executed(self) -> float:
+        """Executed FLOPs per device per step."""
+        return sum(c.executed_flops for c in self.compute)
 
     @property
     def compute_scale(self) -> float:
@@ -133,13 +151,17 @@ class Prediction:
     fits: bool
     contributions: dict  # seconds each part adds to the step
     critical: dict  # seconds each part holds the critical path (the bound is the largest)
+    compute: tuple = ()  # per compute row: its kernel, FLOPs, efficiency, status, source and seconds
 
 
 def hops(kind: str, peers: int) -> int:
-    """Latency steps of one collective: ring passes for gathers and reductions, one for all-to-all and permutes."""
+    """Latency steps of one collective: ring passes for gathers and reduce-scatters, a tree for an
+    all-reduce (up and down), one for all-to-all and permutes; none on one device."""
+    if peers < 2:
+        return 0
     if kind in ("collective-permute", "all-to-all", "ragged-all-to-all"):
         return 1
-    return (2 if kind == "all-reduce" else 1) * max(peers - 1, 0)
+    return 2 * math.ceil(math.log2(peers)) if kind == "all-reduce" else peers - 1
 
 
 def collective_seconds(c: Collective, system: System, a: Assumptions) -> float:
@@ -161,25 +183,33 @@ def _overlap(c: Collective, w: Workload, a: Assumptions) -> float:
     return a.overlap_of(c.tier, c.kind, c.phase)
 
 
-def compute_seconds(w: Workload, system: System, a: Assumptions) -> tuple[float, float]:
-    """(executed FLOPs' time at compute_efficiency, model FLOPs' time at 100% of their peaks)."""
-    bf16, fp8 = system.peak_tflops("bf16") * 1e12, system.peak_tflops("fp8") * 1e12
-    executed, executed_fp8 = w.executed
-    t_exec = ((executed - executed_fp8) / bf16 + executed_fp8 / fp8) / a.compute_efficiency
-    t_model_peak = (w.flops_per_device - w.fp8_flops_per_device) / bf16 + w.fp8_flops_per_device / fp8
-    return t_exec, t_model_peak
+def compute_seconds(w: Workload, system: System, a: Assumptions) -> tuple[float, float, tuple]:
+    """(executed FLOPs' time, model FLOPs' time at 100% of their peaks, a record per compute row:
+    its kernel, FLOPs, efficiency with status and source, seconds)."""
+    t_exec = t_model_peak = 0.0
+    records = []
+    for c in w.compute:
+        peak = system.peak_tflops(c.peak) * 1e12
+        e, status, source = efficiency(c, system, a)
+        seconds = c.executed_flops / (peak * e)
+        t_exec += seconds
+        t_model_peak += c.model_flops / peak
+        records.append(
+            {**dataclasses.asdict(c), "efficiency": e, "status": status, "source": source, "seconds": seconds}
+        )
+    return t_exec, t_model_peak, tuple(records)
 
 
 def predict(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -> Prediction:
     """Step time and throughput of `w` on `system` under `a` (the module docstring's model)."""
-    t_compute, t_peak = compute_seconds(w, system, a)
+    t_compute, t_peak, records = compute_seconds(w, system, a)
     contributions = {"compute": t_compute}
     timeline = t_compute / (1.0 - w.bubble) * w.stage_imbalance
     if w.bubble:
         contributions["pipeline bubble"] = t_compute * w.bubble / (1.0 - w.bubble)
     if w.stage_imbalance != 1.0:
         contributions["stage imbalance"] = t_compute * (w.stage_imbalance - 1.0) / (1.0 - w.bubble)
-    executed = w.executed[0]
+    executed = w.executed
     forward_share = w.flops_per_device / 3.0 / executed if executed else 0.0
     beside = {"forward": timeline * forward_share, "backward": timeline * (1 - forward_share), "other": 0.0}
     hidden: list[tuple[str, str, str, float, float]] = []  # (pass, tier, label, window, seconds)
@@ -220,6 +250,7 @@ def predict(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -
         fits=fits,
         contributions=contributions,
         critical=critical,
+        compute=records,
     )
 
 
@@ -334,7 +365,8 @@ def workload_from_ops(
 ) -> Workload:
     """A Workload from maxmoe.analysis.hlo.collective_ops rows (as the GPU moves them: maxmoe.analysis.dry_run.as_on_gpu).
 
-    Rows group into classes by (tier, kind, phase, pass); phase "step" = rows outside every
+    Rows group into classes by (tier, kind, phase, pass, group size); rows that move no bytes or
+    span one device launch nothing and are left out. Phase "step" = rows outside every
     loop (`in_loop` false; without the key, rows that run once). Launches per class: each
     run of each row, or with `combine_bytes` ({kind: threshold}, maxmoe.xla_flags'
     combine_thresholds of the system's profile) the combined collectives: rows of a kind in
@@ -348,14 +380,15 @@ def workload_from_ops(
     classes: dict[tuple, list] = {}
     merged: dict[tuple, list] = {}
     for r in rows:
+        if r["peers"] < 2 or not r["bytes"]:
+            continue
         tier = "scale_out" if r["cross_domain"] else "scale_up"
         looped = r.get("in_loop", r["runs"] > 1)
         phase = "dependent" if LATENT_GATHER in r.get("op_name", "") else "loop" if looped else "step"
         window = 1.0 / micro_batches if looped and ZERO1_REDUCTION in r.get("op_name", "") else 1.0
-        key = (tier, r["kind"], phase, r.get("pass", "backward"), window)
-        total = classes.setdefault(key, [0.0, 0, 2])
+        key = (tier, r["kind"], phase, r.get("pass", "backward"), window, r["peers"])
+        total = classes.setdefault(key, [0.0, 0])
         total[0] += r["bytes"]
-        total[2] = max(total[2], r["peers"])
         if r["kind"] in combine_bytes:
             group = (key, r.get("computation", r.get("name")), r["peers"], r["runs"])
             merged.setdefault(group, []).append(result_bytes(r))
@@ -365,7 +398,7 @@ def workload_from_ops(
         classes[key][1] += combine_bins(sizes, combine_bytes[key[1]]) * runs
     collectives = tuple(
         Collective(kind, tier, size, launches, peers, phase, pass_, window)
-        for (tier, kind, phase, pass_, window), (size, launches, peers) in sorted(classes.items())
+        for (tier, kind, phase, pass_, window, peers), (size, launches) in sorted(classes.items())
     )
     return Workload(flops_per_device, tokens_per_step, devices, collectives, memory_bytes, optimizer_bytes)
 
@@ -379,21 +412,30 @@ def optimizer_bytes(param_count: float, devices: int) -> float:
 
 
 def report(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS, scale: int = 4) -> dict:
-    """The prediction as a dict, with per-GPU retention when the replicas grow `scale`-fold, and
-    every assumption with its source."""
+    """The prediction as a dict, with per-GPU retention when the replicas grow `scale`-fold, every
+    assumption with its source, and (when the classes run at their calibrated rates) the uniform
+    efficiency's figure beside it as a sensitivity."""
     p = predict(w, system, a)
     larger = scale_replicas(w, scale)
-    return {
+    out = {
         "system": system.name,
         "assumptions": table(a),
         **dataclasses.asdict(p),
         "flops_per_device": w.flops_per_device,
-        "executed_flops_per_device": w.executed[0],
-        "fp8_executed_flops_per_device": w.executed[1],
+        "executed_flops_per_device": w.executed,
         "launches": {
-            f"{c.tier}/{c.kind}/{c.phase}/{c.pass_}" + ("/last" if c.window < 1 else ""): c.launches
+            f"{c.tier}/{c.kind}/{c.phase}/{c.pass_}/{c.peers}" + ("/last" if c.window < 1 else ""): c.launches
             for c in w.collectives
         },
         f"retention_at_{w.devices * scale}_devices": retention(w, larger, system, a),
         "tflops_per_gpu_at_scale": predict(larger, system, a).tflops_per_gpu,
+        "uncalibrated": sorted({r["name"] for r in p.compute if r["status"] == "uncalibrated"}),
     }
+    if a.compute_efficiency is None and not a.class_efficiency:
+        uniform = dataclasses.replace(a, compute_efficiency=SENSITIVITY_EFFICIENCY)
+        out["sensitivity"] = {
+            "uniform_compute_efficiency": SENSITIVITY_EFFICIENCY,
+            "tflops_per_gpu": predict(w, system, uniform).tflops_per_gpu,
+            "note": "every class at one efficiency, uncalibrated: a sensitivity, not a prediction",
+        }
+    return out

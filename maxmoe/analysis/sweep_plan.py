@@ -35,7 +35,9 @@ def rank(results: list[dict], dry_run: bool) -> list[dict]:
 
 
 def format_predictions(results: list[dict]) -> str:
-    """The planner's table: one line per shape that has a prediction (maxmoe.analysis.planner).
+    """The planner's table: one line per shape that has a prediction (maxmoe.analysis.planner), its
+    step parts, each compute class's kernel, efficiency, status and source (`format_compute`), and
+    the uniform-efficiency figure labelled as a sensitivity.
 
     TFLOP/s per GPU counts model FLOPs, exec the executed ones (recompute included); MFU is
     against the peak of each GEMM class's precision; exposed = the step's non-compute share.
@@ -57,6 +59,34 @@ def format_predictions(results: list[dict]) -> str:
         )
         parts = ", ".join(f"{k} {v:.2f}" for k, v in p["contributions"].items() if v)
         lines.append(f"{'':>3}step parts (s): {parts}")
+        lines += [f"{'':>3}{line}" for line in format_compute(p).splitlines()]
+    return "\n".join(lines)
+
+
+def format_compute(p: dict) -> str:
+    """Each compute class of a prediction: kernel, precision, executed TFLOP per device, efficiency
+    (fraction of its peak), status, seconds, then each source; the uncalibrated classes; and the
+    uniform-efficiency sensitivity."""
+    lines = [
+        f"{'class':<15} {'kernel':<28} {'precision':<10} {'peak':<4} {'exec TFLOP':>10} {'eff':>6} "
+        f"{'status':<12} {'seconds':>8}"
+    ]
+    for c in p.get("compute", ()):
+        kernel = f"{c['kernel_class']} {c['backend']}"
+        lines.append(
+            f"{c['name']:<15} {kernel:<28} {c['precision']:<10} {c['peak']:<4} {c['executed_flops'] / 1e12:10.1f} "
+            f"{c['efficiency']:6.3f} {c['status']:<12} {c['seconds']:8.2f}"
+        )
+    lines += [f"  {c['name']}: {c['source']}" for c in p.get("compute", ())]
+    if p.get("uncalibrated"):
+        lines.append(f"uncalibrated (no rate measured for the kernel that runs): {', '.join(p['uncalibrated'])}")
+    sensitivity = p.get("sensitivity")
+    if sensitivity:
+        lines.append(
+            f"sensitivity, not a prediction: every class at compute efficiency "
+            f"{sensitivity['uniform_compute_efficiency']:g} (uncalibrated) gives {sensitivity['tflops_per_gpu']:.0f} "
+            "TFLOP/s per GPU"
+        )
     return "\n".join(lines)
 
 
