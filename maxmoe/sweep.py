@@ -378,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pipeline", default="1", metavar="P[,P...]", help="pipeline sizes to enumerate (without --mesh); default 1"
     )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
-    parser.add_argument(
-        "--plot", metavar="OUT.png", help="bar charts per shape, with --replan too (needs matplotlib)"
-    )
+    parser.add_argument("--plot", metavar="OUT.png", help="bar charts per shape, with --replan too (needs matplotlib)")
     parser.add_argument(
         "--columns",
         metavar="all|NAME,...",
@@ -442,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--hbm-gb {args.hbm_gb}, --steps {args.steps}, --warmup {args.warmup}: "
             f"--hbm-gb and --steps must be positive (finite), --warmup non-negative"
         )
+    columns = parse_columns(args.columns)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_output_file(Path(path), flag)  # before the sweep, not after it
@@ -468,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.hbm_gb is None:
         args.hbm_gb = SYSTEMS[system].hbm_gb if system else 141.0
     if args.replan:
-        return replan_main(args, config, system, assumptions, sys.argv[1:] if argv is None else argv)
+        report = replan_main(args, config, system, assumptions, sys.argv[1:] if argv is None else argv)
+        _plot_to(args.plot, report["results"], True, args.hbm_gb)
+        return 0
     start = time.perf_counter()
     report = sweep(
         config,
@@ -486,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     report["wall_s"] = time.perf_counter() - start
     report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(format_table(report["results"], args.dry_run))
+    print(format_table(report["results"], args.dry_run, columns))
     for s in report["skipped"]:
         print(f"skipped {s['name']}: {s['reason']}")
     for r in report["results"]:
@@ -518,11 +519,14 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     if args.write_config:
         print(f"wrote {write_winner(config, report['results'], args.write_config)} to {args.write_config}")
-    if args.plot:
-        why = plot(report["results"], args.plot, args.dry_run, args.hbm_gb)
-        if why:
-            print(f"note: {why}", file=sys.stderr)
+    _plot_to(args.plot, report["results"], args.dry_run, args.hbm_gb)
     return 0
+
+
+def _plot_to(path: str | None, results: list[dict], dry_run: bool, hbm_gb: float) -> None:
+    why = plot(results, path, dry_run, hbm_gb) if path else None
+    if why:
+        print(f"note: {why}", file=sys.stderr)
 
 
 if __name__ == "__main__":

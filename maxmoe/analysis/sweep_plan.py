@@ -43,8 +43,9 @@ def format_predictions(results: list[dict]) -> str:
     against the peak of each GEMM class's precision; exposed = the step's non-compute share.
     """
     lines = [
+        "predicted by the planner from the dry run's program (maxmoe.analysis.planner; not measured):",
         f"{'#':>2} {'mesh (data,expert,tensor)':<26} {'system':<6} {'step s':>7} {'tokens/s':>10} "
-        f"{'TFLOP/s/GPU':>11} {'exec':>5} {'MFU':>5} {'exposed':>7} {'mem GB':>7} {'fits':>4} {'x4 retention':>12}  bound"
+        f"{'TFLOP/s/GPU':>11} {'exec':>5} {'MFU':>5} {'exposed':>7} {'mem GB':>7} {'fits':>4} {'x4 retention':>12}  bound",
     ]
     for i, r in enumerate(results, 1):
         p = r.get("prediction")
@@ -52,7 +53,7 @@ def format_predictions(results: list[dict]) -> str:
             continue
         retention = next(v for k, v in p.items() if k.startswith("retention_at_"))
         lines.append(
-            f"{i:>2} {r['name']:<26} {p['system']:<6} {p['step_s']:7.2f} {p['tokens_per_s']:10.0f} "
+            f"{i:>2} {r['name']:<26} {p['system']:<6} {p['step_s']:7.2f} {p['tokens_per_s']:10,.0f} "
             f"{p['tflops_per_gpu']:11.0f} {p['executed_tflops_per_gpu']:5.0f} {p['mfu']:5.2f} "
             f"{p['exposed_fraction']:7.1%} {r['memory']['total'] / GB:7.1f} {'yes' if r['fits'] else 'no':>4} "
             f"{retention:12.4f}  {p['bound']}"
@@ -101,8 +102,9 @@ def write_winner(config: Config, results: list[dict], path: str) -> str:
     return winner["name"]
 
 
-def replan_main(args, config: Config, system: str | None, assumptions, argv: list[str]) -> int:
-    """`--replan IN.json`: every stored dry-run result predicted again under `system` and `assumptions`."""
+def replan_main(args, config: Config, system: str | None, assumptions, argv: list[str]) -> dict:
+    """`--replan IN.json`: every stored dry-run result predicted again under `system` and `assumptions`;
+    returns the report (the sweep plots it with --plot)."""
     if not system:
         raise UserError("--replan needs --system (or a config whose xla.profile is a system)")
     try:
@@ -126,4 +128,4 @@ def replan_main(args, config: Config, system: str | None, assumptions, argv: lis
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     if args.write_config:
         print(f"wrote {write_winner(config, report['results'], args.write_config)} to {args.write_config}")
-    return 0
+    return report
