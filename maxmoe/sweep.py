@@ -225,11 +225,17 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
         devices = f"{math.prod(parse_mesh(ok[0]['name']).values())} devices"
     except (UserError, IndexError):  # no shape compiled, or a name this parser does not read
         devices = "the devices"
-    what = "dry run:\nper-device memory and bytes on the wire per step" if dry_run else "measured throughput"
+    kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    wire = {k: [r.get("collectives", {}).get(k, 0) / GB for r in ok] for k in kinds}  # --replan: maybe none
+    wire = {k: v for k, v in wire.items() if any(v)}
     predicted = [r["prediction"]["tflops_per_gpu"] if r.get("prediction") else 0.0 for r in ok]
+    what = "measured throughput"
     if dry_run:
-        rows = 3 if any(predicted) else 2
-        fig, (ax1, ax2, *ax3) = plt.subplots(rows, 1, figsize=(max(6, len(ok) * 0.9), 3.5 * rows), sharex=True)
+        what = "dry run:\nper-device memory" + (" and bytes on the wire per step" if wire else "")
+        what += ", predicted TFLOP/s per GPU" if any(predicted) else ""
+        rows = 1 + bool(wire) + any(predicted)
+        fig, axes = plt.subplots(rows, 1, figsize=(max(6, len(ok) * 0.9), 3.5 * rows), sharex=True, squeeze=False)
+        ax1, *more = axes[:, 0]
         memory = [r["memory"]["total"] for r in ok]
         scale, unit = (GB, "GB") if max(memory, default=0) >= GB else (1e6, "MB")
         ax1.bar(x, [m / scale for m in memory], color="tab:blue")
@@ -240,25 +246,24 @@ def plot(results: list[dict], path: str, dry_run: bool, hbm_gb: float) -> str | 
             ax1.plot([], [], color="tab:red", linestyle="--", label=f"HBM {hbm_gb:g} GB (off scale)")
         ax1.set_ylabel(f"memory per device ({unit})")
         ax1.legend()
-        bottom = [0.0] * len(ok)
-        for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
-            values = [r["collectives"].get(kind, 0) / GB for r in ok]
-            if any(values):
+        if wire:
+            ax2, bottom = more.pop(0), [0.0] * len(ok)
+            for kind, values in wire.items():
                 ax2.bar(x, values, bottom=bottom, label=kind)
                 bottom = [b + v for b, v in zip(bottom, values)]
-        ax2.set_ylabel("bytes on the wire per device per step (GB)")
-        if any(bottom):
+            ax2.set_ylabel("bytes on the wire per device per step (GB)")
             ax2.legend(fontsize="small")
-        if ax3:  # with --system or --replan: the planner's figure, a prediction
+        if more:  # with --system or --replan: the planner's figure, a prediction
             system = next(r["prediction"]["system"] for r in ok if r.get("prediction"))
-            ax3[0].bar(x, predicted, color="tab:green")
-            ax3[0].set_ylabel(f"predicted TFLOP/s per GPU ({system})")
+            more[0].bar(x, predicted, color="tab:green")
+            more[0].set_ylabel(f"predicted TFLOP/s per GPU ({system})")
     else:
         fig, ax2 = plt.subplots(figsize=(max(6, len(ok) * 0.9), 4))
         ax2.bar(x, [r["tokens_per_s"] for r in ok])
         ax2.set_ylabel("tokens/s")
     fig.axes[-1].set_xticks(list(x), names, rotation=30, ha="right")
-    fig.suptitle(f"mesh shapes for {devices} ({len(ok)} shapes), {what}", fontsize="medium")
+    shapes = f"{len(ok)} shape" + ("" if len(ok) == 1 else "s")
+    fig.suptitle(f"mesh shapes for {devices} ({shapes}), {what}", fontsize="medium")
     fig.tight_layout()  # after the title: it keeps the title's lines inside the figure
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

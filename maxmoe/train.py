@@ -14,17 +14,26 @@ from __future__ import annotations
 
 from maxmoe.cli import config_from_args, exit_with, main_guard, make_parser
 from maxmoe.config import UserError
-from maxmoe.data import resolve_vocab_size
+from maxmoe.data import resolve_vocab_size, vocab_size_note
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("python -m maxmoe.train", __doc__.splitlines()[0])
     args = parser.parse_args(argv)
-    config = config_from_args(args, resolve_vocab_size)
+    notes = []
+
+    def resolve(config):  # model.vocab_size=auto: the number taken is said (not with --print-config)
+        resolved = resolve_vocab_size(config)
+        notes.append(vocab_size_note(config, resolved))
+        return resolved
+
+    config = config_from_args(args, resolve)
     if config.run.progress != "none":
         # Said before jax is imported (seconds): the run has started, and where its files go.
         print(f"maxmoe: run.dir {config.run.dir}: starting jax ...", flush=True)
+        for note in filter(None, notes):
+            print(note, flush=True)
     from maxmoe.training.trainer import train
 
     return train(config)

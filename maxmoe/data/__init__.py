@@ -21,7 +21,14 @@ inputs), `prepare` (parallel tokenisation), `text_cache` (data.path text), `mixt
 `batches` (the grain pipeline), `__main__` (the `python -m maxmoe.data prepare|stats` command).
 """
 
-from maxmoe.data.batches import BatchIterator, data_folders, make_dataset, resolve_vocab_size, vocab_size_of
+from maxmoe.data.batches import (
+    BatchIterator,
+    data_folders,
+    make_dataset,
+    resolve_vocab_size,
+    vocab_size_note,
+    vocab_size_of,
+)
 from maxmoe.data.byte_tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokens, decode_bytes
 from maxmoe.data.mixture import mixture_sources
 from maxmoe.data.stdlib import STDLIB_SKIP_DIRS, stdlib_corpus, stdlib_files
@@ -62,6 +69,7 @@ __all__ = [
     "stdlib_files",
     "token_dtype",
     "token_folder_for",
+    "vocab_size_note",
     "vocab_size_of",
     "write_token_folder",
 ]

@@ -98,8 +98,19 @@ def _print_stats(folder: Path, meta: dict) -> None:
         f"  tokenizer {meta.get('tokenizer', '?')}, vocab {meta['vocab_size']}, {meta['dtype']}, "
         f"EOS {meta.get('eos_id')}"
     )
+    cut = meta.get("cut_documents")  # the document cut between the splits, counted once: in train
+    cut = cut if isinstance(cut, int) and cut > 0 else 0
     for split, entry in meta["splits"].items():
-        print(f"  {split:5s} {entry.get('tokens', 0):>14,} tokens  {entry.get('documents', 0):>8,} documents")
+        documents = entry.get("documents", 0) - (cut if split == "eval" else 0)
+        where = {"train": " (one cut: its tail is in eval)", "eval": " and the tail of the one cut"}
+        note = where.get(split, "") if cut else ""
+        print(f"  {split:5s} {entry.get('tokens', 0):>14,} tokens  {_documents(documents, 8)}{note}")
+    if isinstance(meta.get("documents"), int):
+        print(f"  {_documents(meta['documents'])} in all")
+
+
+def _documents(count, width: int = 0) -> str:
+    return f"{count:>{width},} document" + ("" if count == 1 else "s")
 
 
 @main_guard

@@ -235,6 +235,15 @@ def make_dataset(
     return BatchIterator(local_batches, description=f"{config.data.kind} {split}: {name}", **common)
 
 
+def vocab_size_note(config: Config, resolved: Config) -> str | None:
+    """The console line saying what model.vocab_size=auto took (None when `config` named a number)."""
+    if config.model.vocab_size != "auto":
+        return None
+    data = config.data
+    where = f"data.path={data.path}" if data.path else "data.mixture" if data.mixture else "the built-in byte corpus"
+    return f"maxmoe: model.vocab_size=auto: {resolved.model.vocab_size:,}, the vocabulary of {where}"
+
+
 def resolve_vocab_size(config: Config) -> Config:
     """`config` with model.vocab_size=auto replaced by the data's vocabulary size (other values kept).
 

@@ -126,6 +126,10 @@ def write_token_folder(
             "dtype": dtype.name,
             "eos_id": int(eos_id),
             "token_count": counts["train"][0] + counts["eval"][0],
+            # Each split's `documents` counts the parts its file holds (each followed by EOS); the
+            # document cut between the splits is a part of both and one of `documents`.
+            "documents": len(names),
+            "cut_documents": sum(0 < held.get(index, 0) < length for index, length in enumerate(lengths)),
             "eval_fraction": eval_fraction,
             "eval_split": EVAL_SPLIT_RULE,
             "splits": {

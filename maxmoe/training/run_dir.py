@@ -96,7 +96,36 @@ class RunDirLock:
         self._file = None
 
     def acquire(self) -> None:
-        """Take the lock without waiting, and write this process's pid, host and start time into the file."""
+        """Take the lock without waiting, and write this process's pid, host and start time into the file.
+
+        A holder that was refused removes the file it made (`remove_file`); a lock taken on a file
+        removed meanwhile is let go and the lock taken again on the file now at the path.
+        """
+        for _ in range(3):
+            handle, locked = self._lock_file()
+            if not locked or self._still_at_path(handle):
+                break
+            handle.close()  # locked a file its holder had just removed: lock the one at the path now
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv,
+        }
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(holder) + "\n")
+        handle.flush()
+        self._file = handle
+
+    def _still_at_path(self, handle) -> bool:
+        try:
+            return os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _lock_file(self):
+        """(the lock file, open, whether it is flock-ed: not where the file system has no flock)."""
         # O_NOFOLLOW: a link named like the lock file must not lead the truncation below to another file.
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -119,17 +148,14 @@ class RunDirLock:
                 raise UserError(f"cannot lock {self.path}: {e.strerror or type(e).__name__}") from None
             # A file system without locks: run unguarded rather than not at all.
             print(f"maxmoe: warning: {self.path}: the file system has no flock; run.dir is not locked", file=sys.stderr)
-        holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "argv": sys.argv,
-        }
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(holder) + "\n")
-        handle.flush()
-        self._file = handle
+            return handle, False
+        return handle, True
+
+    def remove_file(self) -> None:
+        """Delete the lock file while still holding it (a refused run leaves run.dir as it found it)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
     def release(self) -> None:
         """Drop the lock (the file stays: deleting it could let two jobs lock two different files)."""

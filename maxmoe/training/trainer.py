@@ -43,7 +43,7 @@ from maxmoe.training.optim import continued_schedule, learning_rate_schedule
 from maxmoe.training.preemption import StopSignal, hold, interruptible
 from maxmoe.training.programs import build_programs
 from maxmoe.training.progress import format_duration
-from maxmoe.training.run_dir import claim_run_dir
+from maxmoe.training.run_dir import LOCK_NAME, claim_run_dir
 
 
 def host_value(x) -> np.ndarray:
@@ -84,19 +84,28 @@ class Trainer:
         self._tracing = False
         # Before any jax computation starts a backend: host devices, XLA flags, jax.distributed.
         flags = runtime.setup(config)
-        self.config = config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
         self.is_main = jax.process_index() == 0
+        self.config = data.resolve_vocab_size(config)  # model.vocab_size=auto: from the data
+        if note := data.vocab_size_note(config, self.config):
+            self._say(note)
+        config = self.config
         self.run_dir = Path(config.run.dir)
         self.checkpointer = checkpoint.Checkpointer(config, self.run_dir)
         self.checkpointer.check_start()
         self.stop = stop.bind(jax.process_count()) if stop else StopSignal(jax.process_count())
         # Before anything compiles: run.dir must be writable and no other job may be using it.
+        new_dir, new_lock = not self.run_dir.exists(), not (self.run_dir / LOCK_NAME).exists()
         self.lock = claim_run_dir(self.run_dir, jax.process_index(), jax.process_count())
         try:
             hold("trainer-init")
             self._start(devices, flags)
         except BaseException:
+            if new_lock:  # refused or stopped before training: run.dir is left as it was found
+                self.lock.remove_file()
             self.close()  # finish pending work before any exit, error or not
+            if new_dir:
+                with contextlib.suppress(OSError):
+                    self.run_dir.rmdir()  # only if empty
             raise
 
     def _start(self, devices: Sequence[Any] | None, flags: list[str]) -> None:
