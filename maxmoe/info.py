@@ -84,10 +84,14 @@ def _describe_spans(spans: dict[str, int]) -> str:
 
 
 def kernel_report(config, platform: str | None, device_kind: str | None) -> dict:
-    """The grouped matmul and attention `auto` resolves to on a platform, with the reasons."""
+    """The grouped matmul and attention `auto` resolves to on a platform, with the reasons and
+    the table of measured kernel rates `auto` chooses by on a GPU."""
     from maxmoe.kernels.choice import resolve_kernels
+    from maxmoe.kernels.rates import DEFAULT_RATES, load_rates
 
     kernels = resolve_kernels(config, platform, device_kind)
+    table = load_rates(DEFAULT_RATES)
+    kinds = sorted({r.device_kind for r in table.rates})
     return {
         "platform": kernels.platform,
         "device_kind": kernels.device_kind,
@@ -95,6 +99,8 @@ def kernel_report(config, platform: str | None, device_kind: str | None) -> dict
         "grouped_matmul_reason": kernels.grouped_matmul.reason,
         "attention": kernels.attention.name,
         "attention_reason": kernels.attention.reason,
+        # where `auto` reads its measured rates on a GPU (maxmoe.kernels.rates)
+        "kernel_rates": f"{table.path} ({len(table.rates)} rates: {', '.join(kinds) or 'none'})",
         "loss_chunk": config.train.loss_chunk,
     }
 

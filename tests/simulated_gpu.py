@@ -18,6 +18,8 @@ test could see). `simulated_gpu(kind)` patches the places jax 0.10 - 0.12 answer
   jax._src.pallas.triton.gpu_info.get_gpu_info()
         the GPU jax >= 0.11 lowers a Triton kernel for (from the default device's kind; on a
         CPU host it raises, so without this Triton cannot be lowered there at all)
+  jax._src.cudnn.fused_attention_stablehlo (check_cudnn_version, check_compute_capability)
+        what cuDNN attention's binding asks while tracing
 
 What each jax needs it for (tests/test_gpu_sim.py, run under 0.10.2 and 0.12):
   jax 0.10   Triton and Mosaic GPU lower for CUDA on a CPU host anyway (both assume sm_90); the
@@ -28,7 +30,8 @@ What each jax needs it for (tests/test_gpu_sim.py, run under 0.10.2 and 0.12):
 Every Triton module lowered inside it is also verified (MLIR's verifier, as XLA:GPU parses it).
 jax 0.11 (the GPU image's) is not installed here: the fixture patches `gpu_info` where that
 module exists and the device queries everywhere, the lookups 0.10 and 0.12 use. cuDNN
-attention asks the real cuDNN while tracing and is not simulated.
+attention's binding asks cuDNN's version and the compute capability while tracing: answered
+as the GPU image's cuDNN 9.19 on `kind`.
 
 Arrays, meshes and compilation still use the CPU devices: pass `cpu_devices` (taken before
 the patch) wherever a mesh is built. Nothing here runs a kernel.
@@ -102,6 +105,32 @@ def _gpu_info_patch(kind: GpuKind) -> list:
     return [(gpu_info, "get_gpu_info", lambda: info)]
 
 
+CUDNN_VERSION = 91900  # the GPU image's cuDNN (9.19)
+
+
+def _cudnn_patch(kind: GpuKind) -> list:
+    """jax's cuDNN attention binding asks the process's cuDNN for its version and the backend for
+    the GPU's compute capability while tracing; answer as the GPU image would (the custom call
+    it lowers to is built into a cuDNN graph only by XLA:GPU's compile, which nothing here runs)."""
+    try:
+        binding = importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+    except ImportError:
+        return []
+    have = tuple(int(x) for x in kind.compute_capability.split("."))
+
+    def at_least(capability):
+        return have >= tuple(int(x) for x in capability.split("."))
+
+    def equal(capability):
+        return have == tuple(int(x) for x in capability.split("."))
+
+    return [
+        (binding, "check_cudnn_version", lambda: CUDNN_VERSION),
+        (binding, "check_compute_capability", at_least),
+        (binding, "is_cuda_compute_capability_equal", equal),
+    ]
+
+
 def _verified_triton_patch() -> list:
     """Every Triton module lowered inside the fixture is verified as XLA:GPU's parser will: the
     lowering itself does not (an `scf.for` whose bounds differ in type lowered here and failed
@@ -144,6 +173,7 @@ def simulated_gpu(kind: GpuKind, count: int | None = None):
         (jax, "default_backend", lambda: "gpu"),
         (jex_backend, "get_default_device", lambda: gpus[0]),
         *_gpu_info_patch(kind),
+        *_cudnn_patch(kind),
         *_verified_triton_patch(),
     ]
     caches = [attention.triton_lowers_here, mosaic_ragged_dot._has_gpu_devices]  # answers of the real process

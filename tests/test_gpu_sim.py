@@ -136,13 +136,15 @@ def test_the_fixture_answers_as_the_gpu_and_lets_triton_lower_on_every_jax():
             assert target() == ("cuda", kind.device_kind) and jax.default_backend() == "gpu"
             assert jax.local_devices(backend="gpu")[0].compute_capability == kind.compute_capability
             assert jex_backend.get_default_device().compute_capability == kind.compute_capability
-            assert attention_kernels.triton_lowers_here() == ""
-            assert resolve_kernels(config).attention.name == "triton"
+            assert attention_kernels.triton_lowers_here() == "" and attention_kernels.cudnn_problem() == ""
+            # auto: H200's measured rates (chunked measured, cuDNN not yet); none for Blackwell: cuDNN
+            assert resolve_kernels(config).attention.name == AUTO_ATTENTION[kind.sm]
             assert all(d.platform == "cpu" for d in cpu_devices)
     assert target() == ("cpu", "cpu")
     old_jax = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
     assert (attention_kernels.triton_lowers_here() == "") == old_jax
-    assert resolve_kernels(config, "cuda", "NVIDIA H200").attention.name == ("triton" if old_jax else "chunked")
+    assert attention_kernels.cudnn_problem() != ""  # no cuDNN on this host
+    assert resolve_kernels(config, "cuda", "NVIDIA H200").attention.name == "chunked"
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,7 +158,6 @@ DEPTH = ["model.num_layers=2"]
 SHALLOW = [*DEPTH, "model.mtp_num_layers=0"]
 # Variants of the suite's step parts that cannot be lowered here, with the reason.
 NOT_LOWERED = {
-    "model.attention=cudnn": "cuDNN attention asks the GPU's cuDNN for its version while tracing",
     "model.attention=tokamax": "tokamax is not in the test extra",
     "moe.grouped_matmul=tokamax": "tokamax is not in the test extra",
 }
@@ -203,21 +204,33 @@ def lower_programs(kind: str, overrides: list[str], with_eval: bool) -> dict[str
     return texts
 
 
+# What `auto` picks for attention under the simulated GPUs: the committed rates measure chunked
+# on the H200 and not cuDNN yet; nothing is measured on Blackwell, where the fixed preference is cuDNN.
+AUTO_ATTENTION = {"sm_90": "chunked", "sm_100": "cudnn"}
+ATTENTION_CALLS = {"triton": ("triton",), "cudnn": ("fmhaSoftmax",), "chunked": ()}
+
+
 def check_kernels(kind: str, variant: str, texts: dict[str, str]) -> None:
     """The kernels auto picks on `kind` are in every program; on sm_90 none runs XLA's ragged_dot."""
-    fp8 = dict(o.split("=") for o in variant.split()).get("model.fp8", "none")
+    overrides = dict(o.split("=") for o in variant.split())
+    fp8 = overrides.get("model.fp8", "none")
+    attention = overrides.get("model.attention", AUTO_ATTENTION[kind])
     for program in ("train", "eval"):
         if program not in texts:
             continue
         targets = custom_call_targets(texts[program])
         print(f"{kind} {variant or 'auto'} {program} ({texts['kernels']}): custom calls {targets}")
-        assert any("triton" in t for t in targets), targets  # flash attention (and blockwise's GEMMs)
+        assert texts["kernels"].endswith(f"+{attention}")
+        for call in ATTENTION_CALLS[attention]:
+            assert any(call in t for t in targets), targets  # the flash attention kernel
+        if attention == "cudnn" and program == "train":
+            assert any("fmhaSoftmaxBackward" in t for t in targets), targets
         if kind == "sm_90":
-            assert texts["kernels"] == "mosaic_gpu+triton"
+            assert texts["kernels"].startswith("mosaic_gpu+")
             assert xla_ragged_dots(texts[program]) == 0, "XLA's ragged_dot in an sm_90 program"
             assert any("mosaic_gpu" in t for t in targets) == (fp8 != "blockwise"), targets
         else:
-            assert texts["kernels"] == "ragged_dot+triton"  # no tokamax here: XLA's grouped GEMM, said so
+            assert texts["kernels"].startswith("ragged_dot+")  # no tokamax here: XLA's grouped GEMM, said so
             assert xla_ragged_dots(texts[program]) > 0  # the detector finds what sm_90 must not have
             assert not any("mosaic_gpu" in t for t in targets), targets
         if fp8 == "mxfp8":
@@ -240,3 +253,22 @@ def test_suite_programs_lower_for_cuda_with_the_kernels_auto_picks(kind, variant
     train program (the eval program is the same forward pass, which the train program holds)."""
     texts = lower_programs(kind, [*(DEPTH if not variant else SHALLOW), *variant.split()], with_eval=not variant)
     check_kernels(kind, variant, texts)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_cudnn_attention_takes_mla_head_dims_as_they_are(kind):
+    """qk 192 / v 128 reach cuDNN unpadded, forward and backward: no pad in the program, and the
+    kernels' outputs and dv at v's head dim (jax.nn's entry would have padded v to 192)."""
+    q = jax.ShapeDtypeStruct((2, 256, 4, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(attention_kernels.kernel("cudnn")(q, k, v, 0.07).astype(jnp.float32))
+
+    with simulated_gpu(KINDS[kind], count=1):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, v).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__cudnn$fmha" in line]
+    assert len(calls) == 2 and "stablehlo.pad" not in text
+    assert re.search(r"tensor<2x(256x4|4x256)x128xbf16>", calls[0].split("->")[-1])  # the output at v's dim
+    assert "attention_core" in lowered.as_text(debug_info=True)  # the profile's class (maxmoe.analysis.trace_breakdown)

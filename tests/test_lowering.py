@@ -130,10 +130,8 @@ def test_cuda_lowering_runs_the_kernels_and_no_ragged_dot(fp8):
     # Forward (gate+up, down), dx and dw of each, in the scanned MoE layer and the MTP layer.
     assert kernel_calls(text, "mosaic_gpu_v2") >= 12
     assert not re.findall(r"(chlo|stablehlo)\.ragged_dot", text)
-    if layout.attention.name == "triton":  # jax 0.10 lowers Triton without a GPU; newer jax falls back to chunked
-        assert re.findall(r"xla\.gpu\.triton", text)
-    else:
-        assert layout.attention.name == "chunked" and "without a GPU" in layout.attention.reason
+    # auto's attention: chunked, the fastest of what can be built here in the rate table (not cuDNN)
+    assert layout.attention.name == "chunked" and "measured fastest" in layout.attention.reason
 
 
 # ---------------------------------------------------------------------------------------

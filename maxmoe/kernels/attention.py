@@ -5,14 +5,17 @@ Kernels (the model picks one by name through its layout; `auto` is resolved in
   triton  jax's Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`):
           forward and backward kernels, causal blocks above the diagonal skipped. On CPU it
           runs in Pallas interpret mode (slow; the tests' oracle check).
-  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash
-          attention; needs a GPU at trace time (cannot be lowered on a CPU host).
+  cudnn   cuDNN's fused flash attention through jax (`jax.nn.dot_product_attention`'s
+          implementation="cudnn"); needs cuDNN at trace time (not on a CPU host). jax.nn's
+          entry wants one head dim for q, k and v; the binding behind it takes MLA's own v
+          head dim (cuDNN >= 9.10 on Hopper and later), which is what runs: no padded work.
   tokamax tokamax.dot_product_attention (optional package: Python >= 3.12, jax >= 0.11.1):
           its Mosaic GPU (Hopper, Blackwell), Triton or cuDNN kernels, a separate value
           head dim allowed; on CPU its chunked XLA version.
-Both want one head dim for q, k and v, and MLA has qk 192 / v 128: v is padded with zeros
-to the qk dim and the output sliced back, which changes nothing in the result (the padded
-columns of the output are zero and take no gradient back into v).
+Triton wants one head dim for q, k and v (and pads it to a power of two: 192 -> 256), and MLA
+has qk 192 / v 128: v is padded with zeros to the qk dim and the output sliced back, which
+changes nothing in the result (the padded columns of the output are zero and take no gradient
+back into v) but costs 1.6x the core's work, so `auto` never picks it (maxmoe.kernels.choice).
 
 Pallas and cuDNN calls are custom calls that GSPMD does not partition: under a mesh
 `sharded_attention` runs the kernel inside `jax.shard_map` over the batch and heads axes
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from maxmoe.parallel.names import ATTENTION_CORE_SCOPE
 from maxmoe.parallel.shard_context import shard_map_in_context
 
 KERNELS = ("triton", "cudnn", "tokamax")
@@ -39,6 +43,7 @@ KERNELS = ("triton", "cudnn", "tokamax")
 TRITON_BLOCK = 64
 TRITON_BACKWARD_BLOCK = 32
 TRITON_MIN_BLOCK = 16  # the smallest tile the kernel takes: sequence lengths must be multiples of it
+CUDNN_MLA_VERSION = 91000  # the first cuDNN (9.10) whose flash attention takes a value head dim of its own
 
 
 def _triton_module():
@@ -133,10 +138,35 @@ def triton_attention(q_BTHK, k_BSHK, v_BSHK, scale: float, *, interpret: bool = 
     return out[..., :v_dim].astype(v_BSHK.dtype)
 
 
+def _cudnn_binding():
+    """jax's cuDNN attention binding (jax.nn.dot_product_attention's implementation="cudnn")."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
+def cudnn_problem() -> str:
+    """'' when this process can build cuDNN attention with its own value head dim, else why not."""
+    try:
+        version = _cudnn_binding().check_cudnn_version()
+    except Exception as e:  # noqa: BLE001 - no cuDNN (a CPU host), or a jax without the binding
+        return f"cuDNN attention cannot be built in this process ({type(e).__name__}: {str(e)[:80]})"
+    if version < CUDNN_MLA_VERSION:
+        return f"cuDNN {version} takes no value head dim of its own (needs >= {CUDNN_MLA_VERSION})"
+    return ""
+
+
 def cudnn_attention(q_BTHK, k_BSHK, v_BSHK, scale: float, *, interpret: bool = False):
-    """Causal attention on cuDNN's fused kernel (GPU only; bf16/f16)."""
+    """Causal attention on cuDNN's fused kernel (GPU only; bf16/f16), v at its own head dim."""
     del interpret
     v_dim = v_BSHK.shape[-1]
+    if v_dim != q_BTHK.shape[-1] and not cudnn_problem():
+        binding = _cudnn_binding()
+        out = binding.dot_product_attention(
+            q_BTHK, k_BSHK, v_BSHK.astype(q_BTHK.dtype), scale=scale, mask_type=binding.MaskType.CAUSAL
+        )
+        return out.astype(v_BSHK.dtype)
+    # jax.nn's public entry: one head dim for q, k and v.
     out = jax.nn.dot_product_attention(
         q_BTHK,
         k_BSHK,
@@ -161,7 +191,14 @@ def kernel(name: str):
     functions = {"triton": triton_attention, "cudnn": cudnn_attention, "tokamax": tokamax_attention}
     if name not in functions:
         raise ValueError(f"unknown attention kernel {name!r}; expected one of {KERNELS}")
-    return functions[name]
+    fn = functions[name]
+
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with jax.named_scope(ATTENTION_CORE_SCOPE):  # a profile's attention class (maxmoe.analysis.trace_breakdown)
+            return fn(*args, **kwargs)
+
+    return scoped
 
 
 def sharded_attention(name: str, mesh, spec_BTHK: PartitionSpec, *, interpret: bool = False):

@@ -1,27 +1,16 @@
 """Which grouped-matmul and attention implementation `auto` means on a platform and device kind.
 
-The choice is made once, when a layout is built (`maxmoe.parallel.layout.build_layout`), for the
-platform the program is compiled for -- which may not be this process's (lowering for CUDA
-on a CPU host) -- and is reported by `python -m maxmoe.info --json` and in the run's log.
-
-| platform / device | grouped matmul | attention |
-|---|---|---|
-| cpu (and anything not below) | ragged_dot | chunked |
-| NVIDIA Hopper (H100, H200, GH200, H800, H20) | mosaic_gpu | triton |
-| NVIDIA Blackwell and older NVIDIA GPUs, tokamax installed | tokamax | tokamax |
-| NVIDIA Blackwell and older NVIDIA GPUs, no tokamax | ragged_dot, with a warning | triton |
-| CUDA lowered on a host without a GPU, jax >= 0.11 | as above | chunked (Triton cannot lower there) |
-
-mosaic_gpu (jax's Pallas Mosaic GPU ragged dot) is built on wgmma, which only sm_90a has;
-on Hopper it is preferred to tokamax because it lowers without a GPU (CI proves the
-program). On other NVIDIA GPUs tokamax (an optional package: Python >= 3.12) has the
-kernels; without it no maintained grouped GEMM ships with jax, so XLA's ragged_dot (its
-dense rewrite: G x the FLOPs) stays, and the reason says so. A CUDA target of unknown
-device kind counts as Hopper (the GPUs this project is measured on; pass a device kind to
-be exact). Kernels that need bf16 fall back when the model computes in float32.
-With `model.fp8=blockwise` the grouped choice also decides the FP8 GEMMs: under mosaic_gpu or
-tokamax every blockwise GEMM runs maxmoe's Triton kernels (maxmoe.kernels.fp8_grouped),
-under ragged_dot XLA's program.
+Chosen once, when a layout is built, for the platform the program is compiled for (maybe not
+this process's) and reported by `python -m maxmoe.info` and the run's log. Off CUDA: ragged_dot
+and chunked. On CUDA, of the candidates that can be built there and do no padded work
+(grouped: mosaic_gpu on Hopper in bf16, tokamax, ragged_dot; attention: cudnn, tokamax,
+chunked), the one measured fastest for this device kind, else another of its generation, in the
+committed rate table (maxmoe.kernels.rates): fwd+bwd, bf16, at the 671B shape, else the proxy's.
+With none measured a fixed preference (that order) decides, and the reason says so. Never
+`auto`: triton attention (qk 192 padded to 256, v to qk's dim: 1.6x the work), xla attention
+(memory quadratic in T), dense_loop. A CUDA target of unknown device kind counts as Hopper.
+With `model.fp8=blockwise` the grouped choice also decides the FP8 GEMMs: maxmoe's Triton
+kernels under mosaic_gpu or tokamax, XLA's program under ragged_dot. docs/KERNELS.md has more.
 """
 
 from __future__ import annotations
@@ -31,12 +20,19 @@ import dataclasses
 import jax
 
 from maxmoe.config import ConfigError
-from maxmoe.kernels.attention import triton_lowers_here
+from maxmoe.kernels.attention import cudnn_problem
 from maxmoe.kernels.grouped_matmul import tokamax_problem
 from maxmoe.kernels.mosaic_ragged_dot import KernelUnavailable, mosaic_modules
+from maxmoe.kernels.rates import DEFAULT_RATES, Rate, load_rates
 
 HOPPER = ("H100", "H200", "H800", "H20", "GH200")
 BLACKWELL = ("B100", "B200", "B300", "GB200", "GB300", "BLACKWELL")
+# What `auto` weighs on CUDA, in the fixed preference used where no rate is measured, and the
+# shapes of the rate table compared (the 671B per-GPU shape first).
+ATTENTION_CANDIDATES = ("cudnn", "tokamax", "chunked")
+GROUPED_CANDIDATES = ("mosaic_gpu", "tokamax", "ragged_dot")
+ATTENTION_SHAPES = ("671b_heads", "proxy_heads")
+GROUPED_SHAPES = ("671b", "proxy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +67,11 @@ def target() -> tuple[str, str]:
     return normalise_platform(device.platform), device.device_kind
 
 
-def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16"):
-    """The grouped-matmul backend for `requested` ('auto' or a backend name) on a platform.
+def resolve_grouped_matmul(
+    requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16", rates=None
+):
+    """The grouped-matmul backend for `requested` ('auto' or a backend name) on a platform
+    (`rates`: the rate table `auto` reads, default the committed one).
 
     Raises:
         ConfigError: when a backend named in the config cannot run there.
@@ -85,27 +84,55 @@ def resolve_grouped_matmul(requested: str, platform: str, device_kind: str = "",
         return Choice(requested, "set in the config")
     if platform != "cuda":
         return Choice("ragged_dot", f"{platform}: XLA's ragged_dot is the grouped GEMM of this backend")
-    generation = gpu_generation(device_kind)
     label = device_kind or "CUDA (device kind unknown: taken as Hopper)"
-    if generation != "hopper":
-        if not tokamax_problem():
-            return Choice("tokamax", f"{label}: tokamax's ragged dot (its Mosaic GPU or Triton kernel)")
-        return Choice(
-            "ragged_dot",
-            f"{label}: no grouped GEMM kernel for this GPU generation ships with jax and tokamax is not "
-            f"installed; XLA's ragged_dot (a dense rewrite that costs G x the useful FLOPs) is used",
-        )
-    if compute_dtype != "bfloat16":
-        return Choice("ragged_dot", f"{label}: the Mosaic GPU kernels need bfloat16; model computes in {compute_dtype}")
-    try:
-        mosaic_modules()
-    except KernelUnavailable as e:
-        return Choice("ragged_dot", f"{label}: {e}")
-    return Choice("mosaic_gpu", f"{label}: jax's Pallas Mosaic GPU ragged dot (Hopper wgmma), only valid row tiles")
+    problems = {name: _grouped_auto_problem(name, device_kind, compute_dtype) for name in GROUPED_CANDIDATES}
+    measured = measured_fastest("grouped_gemm", GROUPED_SHAPES, device_kind, problems, rates)
+    if measured:
+        return measured
+    if not problems["mosaic_gpu"]:
+        return Choice("mosaic_gpu", f"{label}: jax's Pallas Mosaic GPU ragged dot (Hopper wgmma), only valid row tiles")
+    if not problems["tokamax"]:
+        return Choice("tokamax", f"{label}: tokamax's ragged dot (its Mosaic GPU or Triton kernel)")
+    why = (
+        problems["mosaic_gpu"]
+        if gpu_generation(device_kind) == "hopper"
+        else "no grouped GEMM kernel for this GPU generation ships with jax"
+    )
+    return Choice(
+        "ragged_dot",
+        f"{label}: {why}; tokamax is not installed; XLA's ragged_dot (a dense rewrite that costs G x the "
+        f"useful FLOPs) is used",
+    )
 
 
-def resolve_attention(requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16"):
-    """The attention implementation for `requested` ('auto' or a name) on a platform.
+def grouped_kernel_missing(device_kind: str) -> str:
+    """Why `auto` has no grouped-GEMM kernel for this CUDA GPU ('' when it has one): on Blackwell
+    jax ships none (its Mosaic GPU ragged dot is Hopper's wgmma) and tokamax is not installed."""
+    if gpu_generation(device_kind) != "blackwell" or not tokamax_problem():
+        return ""
+    return "no grouped GEMM kernel for Blackwell is installed (jax's Mosaic GPU ragged dot is Hopper-only; no tokamax)"
+
+
+def _grouped_auto_problem(name: str, device_kind: str, compute_dtype: str) -> str:
+    """Why `auto` cannot take grouped backend `name` on this CUDA target ('' when it can)."""
+    if name == "mosaic_gpu":
+        if gpu_generation(device_kind) != "hopper":
+            return "jax's Mosaic GPU ragged dot needs Hopper (sm_90a wgmma)"
+        if compute_dtype != "bfloat16":
+            return f"the Mosaic GPU kernels need bfloat16; model computes in {compute_dtype}"
+        try:
+            mosaic_modules()
+        except KernelUnavailable as e:
+            return str(e)
+        return ""
+    return tokamax_problem() if name == "tokamax" else ""
+
+
+def resolve_attention(
+    requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16", rates=None
+):
+    """The attention implementation for `requested` ('auto' or a name) on a platform
+    (`rates`: the rate table `auto` reads, default the committed one).
 
     Raises:
         ConfigError: when an implementation named in the config cannot run there.
@@ -119,16 +146,64 @@ def resolve_attention(requested: str, platform: str, device_kind: str = "", comp
     if platform != "cuda":
         return Choice("chunked", f"{platform}: XLA flash-style attention, memory linear in sequence length")
     label = device_kind or "CUDA"
-    if gpu_generation(device_kind) != "hopper" and not tokamax_problem():
-        return Choice("tokamax", f"{label}: tokamax's flash attention (separate value head dim)")
+    problems = {"cudnn": cudnn_problem(), "tokamax": tokamax_problem(), "chunked": ""}
+    if compute_dtype not in ("bfloat16", "float16"):
+        problems["cudnn"] = f"cuDNN's flash attention needs bf16/f16; model computes in {compute_dtype}"
+    measured = measured_fastest("attention_core", ATTENTION_SHAPES, device_kind, problems, rates)
+    if measured:
+        return measured
+    name = next(n for n in ATTENTION_CANDIDATES if not problems[n])
+    reasons = {
+        "cudnn": "cuDNN's flash attention, v at its own head dim",
+        "tokamax": "tokamax's flash attention (separate value head dim)",
+        "chunked": f"XLA flash-style attention ({problems['cudnn']})",
+    }
+    return Choice(name, f"{label}: {reasons[name]}; no measured rate to choose by")
 
-    problem = triton_lowers_here()
-    if problem:
-        return Choice("chunked", f"{label}: {problem}")
+
+def measured_fastest(
+    kernel_class: str, shapes, device_kind: str, problems: dict[str, str], rates=None
+) -> Choice | None:
+    """The candidate (a key of `problems` whose problem is '') measured fastest for `kernel_class`
+    on `device_kind` (else on another device of its generation): forward+backward, bf16, at the
+    first of `shapes` where one is measured; None where none is (rates: a path, default the
+    committed table)."""
+    table = load_rates(rates or DEFAULT_RATES)
+    usable = [n for n, problem in problems.items() if not problem]
+    kinds = _measured_kinds(table, device_kind)
+    for shape in shapes:
+        found = [
+            r
+            for r in table.rates
+            if (r.kernel_class, r.precision, r.pass_, r.shape) == (kernel_class, "bf16", "fwd+bwd", shape)
+            and r.device_kind in kinds
+            and r.backend in usable
+        ]
+        if found:
+            return _measured_choice(max(found, key=lambda r: r.tflops), found, problems, table.path)
+    return None
+
+
+def _measured_kinds(table, device_kind: str) -> tuple[str, ...]:
+    """The device kinds of `table` whose rates stand for `device_kind`: its own, else its generation's."""
+    kinds = sorted({r.device_kind for r in table.rates})
+    own = [
+        k for k in kinds if k.upper().replace("NVIDIA", "").strip() == device_kind.upper().replace("NVIDIA", "").strip()
+    ]
+    return tuple(own or [k for k in kinds if gpu_generation(k) == gpu_generation(device_kind)])
+
+
+def _measured_choice(best: Rate, found: list[Rate], problems: dict[str, str], path: str) -> Choice:
+    others = ", ".join(f"{r.backend} {r.tflops:.0f}" for r in sorted(found, key=lambda r: -r.tflops) if r is not best)
+    unmeasured = [n for n, problem in problems.items() if not problem and n not in {r.backend for r in found}]
+    skipped = [f"{n}: {problem}" for n, problem in problems.items() if problem]
     return Choice(
-        "triton",
-        f"{label}: jax's Pallas Triton flash attention (causal blocks above the diagonal skipped; "
-        f"v padded to the qk head dim)",
+        best.backend,
+        f"{best.device_kind}: {best.backend} measured fastest, {best.tflops:.0f} TFLOP/s fwd+bwd at {best.shape}"
+        + (f" (against {others})" if others else "")
+        + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
+        + (f"; cannot run here: {'; '.join(skipped)}" if skipped else "")
+        + f" ({best.date}, {best.commit}; {path})",
     )
 
 

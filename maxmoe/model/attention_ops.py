@@ -25,11 +25,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxmoe.parallel.names import ATTENTION_CORE_SCOPE
+
 NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
 def xla_attention(q_BTHK, k_BSHK, v_BSHV, scale: float) -> jax.Array:
     """Softmax(q k^T * scale) v with a causal mask; scores and softmax in float32."""
+    with jax.named_scope(ATTENTION_CORE_SCOPE):  # a profile's attention class (maxmoe.analysis.trace_breakdown)
+        return _xla_attention(q_BTHK, k_BSHK, v_BSHV, scale)
+
+
+def _xla_attention(q_BTHK, k_BSHK, v_BSHV, scale: float) -> jax.Array:
     scores = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
     t, s = q_BTHK.shape[1], k_BSHK.shape[1]
     mask_TS = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
@@ -48,7 +55,8 @@ def chunked_attention(q_BTHK, k_BSHK, v_BSHV, scale: float, chunk: int = 512) ->
     t = q_BTHK.shape[1]
     if k_BSHK.shape[1] != t:
         raise ValueError(f"chunked attention is self-attention: {t} queries, {k_BSHK.shape[1]} keys")
-    return _chunked(q_BTHK, k_BSHK, v_BSHV, float(scale), chunk_size(t, chunk))
+    with jax.named_scope(ATTENTION_CORE_SCOPE):
+        return _chunked(q_BTHK, k_BSHK, v_BSHV, float(scale), chunk_size(t, chunk))
 
 
 def _blocks(x_BTH_, c):
