@@ -15,10 +15,20 @@ from __future__ import annotations
 from maxmoe.cli import config_from_args, exit_with, main_guard, make_parser
 from maxmoe.config import UserError
 from maxmoe.data import resolve_vocab_size, vocab_size_note
+from maxmoe.training.preemption import StopSignal, hold
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
+    # The signal handlers come first: a signal while the config is read or jax starts (seconds)
+    # is answered and stops the job before it writes anything, rather than being lost.
+    stop = StopSignal(exit_on_second_interrupt=True)
+    with stop.installed():
+        hold("startup")
+        return _run(argv, stop)
+
+
+def _run(argv: list[str] | None, stop: StopSignal) -> int:
     parser = make_parser("python -m maxmoe.train", __doc__.splitlines()[0])
     args = parser.parse_args(argv)
     notes = []
@@ -29,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return resolved
 
     config = config_from_args(args, resolve)
+    if stop.say_stopped("nothing was written"):
+        return 0
     if config.run.progress != "none":
         # Said before jax is imported (seconds): the run has started, and where its files go.
         print(f"maxmoe: run.dir {config.run.dir}: starting jax ...", flush=True)
@@ -36,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             print(note, flush=True)
     from maxmoe.training.trainer import train
 
-    return train(config)
+    return train(config, stop=stop)
 
 
 def __getattr__(name):

@@ -150,6 +150,41 @@ def test_ctrl_c_during_compilation_is_acknowledged_at_once_and_twice_exits(tmp_p
     assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_in_the_first_second_stops_the_job_before_it_writes_anything(tmp_path, sig):
+    """Held as main() starts, before jax is imported: the signal is answered, the job stops with
+    status 0 before building anything, and run.dir is never made."""
+    run_dir = tmp_path / "run"
+    job = Held(tmp_path, "startup", train_argv(run_dir))
+    job.reached()
+    job.proc.send_signal(sig)
+    job.release()
+    code, out, err = job.finish(timeout=120)
+    name = signal.Signals(sig).name
+    assert code == 0, err
+    assert f"{name}: stopping" in err and f"{name}: stopped before training a step" in out, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert not run_dir.exists()
+
+
+def test_sighup_during_training_is_a_stop_like_sigterm():
+    """A closed terminal (SIGHUP) must save and stop as SIGTERM does, not kill the job unsaved."""
+    from maxmoe.training.preemption import StopSignal
+
+    reached = []
+    previous = signal.signal(signal.SIGHUP, lambda *args: reached.append("the handler from before"))
+    try:
+        stop = StopSignal()
+        with stop.installed():
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.should_stop(1) and stop.requested == "SIGHUP"
+        assert reached == []
+        os.kill(os.getpid(), signal.SIGHUP)  # the handler from before is back
+        assert reached == ["the handler from before"]
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 def test_a_second_ctrl_c_that_comes_once_the_first_is_acknowledged_is_the_second(monkeypatch):
     """The first handler's line goes out (os.write lets other threads run) before it returns; a
     SIGINT then runs its handler nested inside the first one's and must count as the second."""

@@ -23,6 +23,8 @@ inputs), `prepare` (parallel tokenisation), `text_cache` (data.path text), `mixt
 
 from maxmoe.data.batches import (
     BatchIterator,
+    check_same_data,
+    data_fingerprint,
     data_folders,
     make_dataset,
     resolve_vocab_size,
@@ -56,7 +58,9 @@ __all__ = [
     "STDLIB_SKIP_DIRS",
     "BatchIterator",
     "byte_tokens",
+    "check_same_data",
     "check_eval_fraction",
+    "data_fingerprint",
     "data_folders",
     "decode_bytes",
     "eval_split",

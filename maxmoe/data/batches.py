@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -111,11 +112,21 @@ class BatchIterator:
     """
 
     def __init__(
-        self, batches, *, split: str, local_batch_size: int, seq_len: int, num_batches: int | None, description: str
+        self,
+        batches,
+        *,
+        split: str,
+        local_batch_size: int,
+        seq_len: int,
+        num_batches: int | None,
+        description: str,
+        fingerprint: str | None = None,
+        source: str = "",
     ):
         self._batches = batches
         self.split, self.local_batch_size, self.seq_len = split, local_batch_size, seq_len
         self.num_batches, self.description = num_batches, description
+        self.fingerprint, self.source = fingerprint, source  # the data read (data_fingerprint) and its key
         self._step = 0
         self._iterator = None
 
@@ -138,8 +149,9 @@ class BatchIterator:
         return batch
 
     def get_state(self) -> dict:
-        """JSON-serialisable position: the number of batches already returned."""
-        return {"split": self.split, "step": self._step}
+        """JSON-serialisable position: the number of batches already returned (and which data, when known)."""
+        state = {"split": self.split, "step": self._step}
+        return state if self.fingerprint is None else {**state, "data": self.fingerprint}
 
     def set_state(self, state: dict) -> None:
         """Continue from a `get_state` result (also valid with a different process count)."""
@@ -232,7 +244,41 @@ def make_dataset(
     count = num_batches * t.batch_size if num_batches is not None else 2**62
     local_batches = grain.MapDataset.range(count).batch(local)[process_index::process_count].map(rows)
     name = "mixture of " + "; ".join(described) if len(folders) > 1 else described[0]
-    return BatchIterator(local_batches, description=f"{config.data.kind} {split}: {name}", **common)
+    fingerprint = data_fingerprint([folder for folder, _ in folders]) if config.data.kind == "shards" else None
+    source = f"data.path={config.data.path}" if config.data.path else "data.mixture"
+    return BatchIterator(
+        local_batches,
+        description=f"{config.data.kind} {split}: {name}",
+        fingerprint=fingerprint,
+        source=source,
+        **common,
+    )
+
+
+def data_fingerprint(folders: list[Path]) -> str:
+    """16 hex digits naming the token folders' contents: each folder's name (a text cache's names
+    hash the files it was made from) and its meta.json (which counts the tokens and, in folders
+    made now, holds each split's SHA-256)."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        digest.update(f"{Path(folder).name}\0".encode() + (Path(folder) / "meta.json").read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def check_same_data(saved: dict, batches: BatchIterator, step: int, allow_change: bool) -> str | None:
+    """Whether `batches` read the data that checkpoint `step` (its data position `saved`) was read
+    from: None when it is (or either side does not say); when it changed, a UserError, or with
+    `allow_change` (checkpoint.allow_config_change) the change as words."""
+    there = saved.get("data") if isinstance(saved, dict) else None
+    if there is None or batches.fingerprint is None or there == batches.fingerprint:
+        return None
+    change = f"{batches.source}: the data changed since step {step} was saved (an edited or replaced file)"
+    if allow_change:
+        return change
+    raise UserError(
+        f"{change}; resuming would continue the run on other data: put the data back, use a new run.dir, "
+        f"or set checkpoint.allow_config_change=true"
+    )
 
 
 def vocab_size_note(config: Config, resolved: Config) -> str | None:

@@ -102,6 +102,7 @@ def write_token_folder(
         counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
         eos = np.array([eos_id], dtype=dtype.newbyteorder("<"))
         stream = np.memmap(work / "all.tmp", dtype=dtype.newbyteorder("<"), mode="r")
+        hashes = {"train": hashlib.sha256(), "eval": hashlib.sha256()}  # what a resume checks it reads
         with open(work / "train.bin", "wb") as train_file, open(work / "eval.bin", "wb") as eval_file:
             files = {"train": train_file, "eval": eval_file}
             start = 0
@@ -112,7 +113,9 @@ def write_token_folder(
                     ("eval", stream[start + cut : start + length]),
                 ):
                     if part.size:
-                        files[split].write(np.concatenate([part, eos]).tobytes())
+                        data = np.concatenate([part, eos]).tobytes()
+                        files[split].write(data)
+                        hashes[split].update(data)
                         counts[split][0] += part.size + 1
                         counts[split][1] += 1
                 start += length
@@ -133,7 +136,12 @@ def write_token_folder(
             "eval_fraction": eval_fraction,
             "eval_split": EVAL_SPLIT_RULE,
             "splits": {
-                split: {"file": f"{split}.bin", "tokens": tokens, "documents": docs}
+                split: {
+                    "file": f"{split}.bin",
+                    "tokens": tokens,
+                    "documents": docs,
+                    "sha256": hashes[split].hexdigest(),
+                }
                 for split, (tokens, docs) in counts.items()
             },
         }

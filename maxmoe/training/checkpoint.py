@@ -3,6 +3,7 @@
     run.dir/checkpoints/<step>/state    params, optimizer state, router biases, step, counters
                               /data     the data iterator's position (JSON)
                               /config   the resolved config (JSON)
+                              /digest   each array's digest, the newest proven step (JSON)
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when every item is
 complete, so a step that was being written when the process died is never picked up
@@ -13,7 +14,9 @@ stacks are stored in model order whatever the pipeline's stage layout
 
 Before restoring, the stored tree is checked against the state this config builds (every
 array present, same shapes), so a checkpoint of another model, or one that cannot be
-read, stops the job with one line naming the step folder; nothing is deleted.
+read, stops the job with one line naming the step folder; nothing is deleted. After, the
+arrays' digests are checked (maxmoe.training.integrity): a damaged step is refused in one line
+naming the newest step that passes. `checkpoint.keep` never deletes the newest proven step.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import flax.linen as nn
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec
-from orbax.checkpoint import checkpoint_utils
+from orbax.checkpoint import checkpoint_managers, checkpoint_utils
 
 from maxmoe.config import Config, ConfigError, ModelConfig, UserError, build_model_config
 from maxmoe.model.transformer import abstract_variables
 from maxmoe.training import stage_state
 from maxmoe.training import step as step_lib
+from maxmoe.training.integrity import KeepProven, Proof, first_difference, leaf_paths, state_digest
 from maxmoe.training.optim import make_optimizer
 from maxmoe.training.preemption import hold
 from maxmoe.training.resume import check_init_from, check_resume, optimizer_hint
@@ -60,6 +64,7 @@ def _handlers(*names: str) -> dict:
         "params": ocp.PyTreeCheckpointHandler,
         "data": ocp.JsonCheckpointHandler,
         "config": ocp.JsonCheckpointHandler,
+        "digest": ocp.JsonCheckpointHandler,
     }
     # "params" reads the state item with the handler that can restore part of a tree.
     return {("state" if name == "params" else name): kinds[name]() for name in names}
@@ -130,19 +135,6 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
 
 
-def _leaf_paths(tree: Any) -> dict[str, Any]:
-    """{'params/embed/embedding': leaf, ...} with dict keys, attributes and indices alike as names."""
-
-    def name(key) -> str:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(name(k) for k in path): leaf for path, leaf in leaves}
-
-
 def _model_differences(saved_config: Any, config: Config) -> str:
     """' (model.hidden_size: 128 there, 64 here; ...)' from the configs, or ''."""
     if not isinstance(saved_config, dict) or not isinstance(saved_config.get("model"), dict):
@@ -162,7 +154,7 @@ def check_fits(stored_tree: Any, target_tree: Any, where: str, hint: str = "", *
     With `exact`, arrays of `stored_tree` that `target_tree` lacks (a model with fewer parts:
     no MTP, fewer layers) are an error too; without it they are left unread.
     """
-    stored, target = _leaf_paths(stored_tree), _leaf_paths(target_tree)
+    stored, target = leaf_paths(stored_tree), leaf_paths(target_tree)
     missing = [p for p in target if p not in stored]
     if missing:
         raise UserError(
@@ -213,18 +205,21 @@ class Checkpointer:
         self._chunking = None  # save arguments per array, made at the first save
         self._failed = False  # a write failed and was reported
         self.changes: list[str] = []  # config changes a resume accepted (checkpoint.allow_config_change)
+        self.proof = Proof()  # the newest proven step, kept through deletions
 
     def _open(self):
         if self._manager is None:
             c = self.config.checkpoint
+            policies = [checkpoint_managers.LatestN(c.keep), KeepProven(self.proof)]
+            if c.keep_every:
+                policies.append(checkpoint_managers.EveryNSteps(c.keep_every))
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=c.keep,
-                keep_period=c.keep_every or None,
+                preservation_policy=checkpoint_managers.AnyPreservationPolicy(policies),
                 create=True,
                 enable_async_checkpointing=c.async_save,
             )
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_handlers=_handlers("state", "data", "config")
+                self.directory, options=options, item_handlers=_handlers("state", "data", "config", "digest")
             )
             logging.getLogger("absl").addFilter(_BACKGROUND_ERRORS)
         return self._manager
@@ -276,19 +271,21 @@ class Checkpointer:
         if step is None:
             return None
         where = f"checkpoint {self.directory / str(step)}"
-        advice = (
-            "; move that step folder away to resume from the one before it, or use a new run.dir (nothing was deleted)"
-        )
         manager = self._open()
         with _quiet_orbax():
             try:
                 metadata = manager.item_metadata(step)
                 saved_config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
             except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
-                raise UserError(f"{where} cannot be read ({_first_line(e)}){advice}") from None
+                raise UserError(
+                    f"{where} cannot be read ({_first_line(e)}){self._older(step, abstract_state)}"
+                ) from None
             stored_state = metadata.get("state") if metadata is not None else None
             if stored_state is None or not (self.directory / str(step) / "data").is_dir():
-                raise UserError(f"{where} is not a maxmoe training checkpoint (no state or data item){advice}")
+                raise UserError(
+                    f"{where} is not a maxmoe training checkpoint (no state or data item)"
+                    f"{self._older(step, abstract_state)}"
+                )
             check_init_from(saved_config, self.config, self.directory.parent, step)
             stored_tree = getattr(stored_state, "tree", stored_state)
             model_hint = _model_differences(saved_config, self.config)
@@ -300,16 +297,44 @@ class Checkpointer:
             # Arrays that fit can still belong to another run: another seed, router, batch or data.
             self.changes = check_resume(saved_config, self.config, self.directory.parent, step)
             try:
-                restored = manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
-                    ),
-                )
+                restored = self._restore_checked(manager, step, abstract_state)
             except Exception as e:  # noqa: BLE001 - see above
-                raise UserError(f"{where} cannot be read ({_first_line(e)}){advice}") from None
+                raise UserError(
+                    f"{where} cannot be read ({_first_line(e)}){self._older(step, abstract_state)}"
+                ) from None
+            damaged = first_difference((restored.get("digest") or {}).get("arrays"), restored["state"])
+            if damaged:
+                raise UserError(
+                    f"{where} is damaged: {damaged} is not the array that was saved (its digest differs)"
+                    f"{self._older(step, abstract_state)}"
+                )
+        self.proof.steps.update(self.complete_steps())
+        self.proof.inherit(restored.get("digest"))
         state = stage_state.to_stage_order(self.config, restored["state"], stage_abstract)
         return Restored(step=step, state=state, data=restored["data"])
+
+    def _restore_checked(self, manager: Any, step: int, abstract_state: Any) -> dict:
+        """A step's state and data position, with its digest record when it has one."""
+        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
+        if (self.directory / str(step) / "digest").is_dir():  # steps saved before digests have none
+            items["digest"] = ocp.args.JsonRestore()
+        return dict(manager.restore(step, args=ocp.args.Composite(**items)))
+
+    def _older(self, step: int, abstract_state: Any) -> str:
+        """'; step N passes its check: move step M away to resume from it ...': the newest step
+        before `step` that restores and matches its digest (each tried in turn, newest first)."""
+        manager = self._open()
+        for older in reversed([s for s in self.complete_steps() if s < step]):
+            try:
+                restored = self._restore_checked(manager, older, abstract_state)
+            except Exception:  # noqa: BLE001 - that one cannot be read either: try the one before
+                continue
+            if not first_difference((restored.get("digest") or {}).get("arrays"), restored["state"]):
+                return (
+                    f"; step {older} passes its check: move step folder {step} away to resume from it "
+                    f"(nothing was deleted)"
+                )
+        return "; no step before it passes its check: use a new run.dir (nothing was deleted)"
 
     def complete_steps(self) -> list[int]:
         """The step folders on disk that a resume would accept (from the names: no orbax call)."""
@@ -358,14 +383,15 @@ class Checkpointer:
             return self._start_save(manager, step, state, data_state)
 
     def _start_save(self, manager: Any, step: int, state: Any, data_state: dict) -> bool:
+        stored = stage_state.to_model_order(self.config, state)
+        self.proof.steps.add(step)
         return manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(
-                    stage_state.to_model_order(self.config, state), save_args=self._save_args()
-                ),
+                state=ocp.args.StandardSave(stored, save_args=self._save_args()),
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(self.config.to_dict()),
+                digest=ocp.args.JsonSave({"arrays": state_digest(stored), "proven": self.proof.proven}),
             ),
             force=True,
         )
@@ -464,23 +490,24 @@ def load_params(path: str, abstract_state: Any, label: str = "", config: Config 
     label = label or f"checkpoint.init_from={path}"
     stage_target = {"params": abstract_state.params, "router": abstract_state.router}
     target = stage_target if config is None else stage_state.model_order_abstract(config, stage_target)
-    with latest_step_of(path, label, "params", "config") as (manager, step, where):
+    with latest_step_of(path, label, "params", "config", "digest") as (manager, step, where):
         check_fits(stored_arrays(manager, step, where), target, where)
+        items = {
+            "state": ocp.args.PyTreeRestore(
+                item=target, restore_args=checkpoint_utils.construct_restore_args(target), partial_restore=True
+            )
+        }
+        if (Path(manager.directory) / str(step) / "digest").is_dir():  # a training step: its digests are checked
+            items["digest"] = ocp.args.JsonRestore()
         with _quiet_orbax():
             try:
-                restored = manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.PyTreeRestore(
-                            item=target,
-                            restore_args=checkpoint_utils.construct_restore_args(target),
-                            partial_restore=True,
-                        )
-                    ),
-                )
+                restored = manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:  # noqa: BLE001 - any unreadable file means the same thing to the user
                 raise UserError(f"{where} cannot be read ({_first_line(e)})") from None
     loaded = {"params": restored["state"]["params"], "router": restored["state"]["router"]}
+    damaged = first_difference((restored.get("digest") or {}).get("arrays"), loaded)
+    if damaged:
+        raise UserError(f"{where} is damaged: {damaged} is not the array that was saved (its digest differs)")
     return loaded if config is None else stage_state.to_stage_order(config, loaded, stage_target)
 
 

@@ -1,11 +1,11 @@
-"""SIGTERM and SIGINT: save after the current step and stop; with several processes, the same step on all.
+"""SIGTERM, SIGINT and SIGHUP: save after the current step and stop; with several processes, the same step on all.
 
     stop = StopSignal(jax.process_count())
     with stop.installed():                    # handlers only while the loop runs
         ... after each step:  if stop.should_stop(step): save step; leave the loop
 
 One process: Python handlers note the signal, say so on stderr at once, and the loop stops
-after the step in flight. A second SIGINT (Ctrl-C again) does not wait: the command line exits
+after the step in flight (SIGHUP, a closed terminal, is a SIGTERM). A second SIGINT (Ctrl-C again) does not wait: the command line exits
 at once with status 130, a notebook gets KeyboardInterrupt. `installed()` nests: only the
 outermost use installs handlers, and the ones that were there before come back when it ends
 (a notebook's interrupt keeps working after a run).
@@ -16,8 +16,9 @@ this: `jax.distributed.initialize` installs a SIGTERM notifier (in C++) that tel
 coordination service, which picks a step every process can still reach (the largest current
 step + 1); `multihost_utils.reached_preemption_sync_point(step)`, asked after every step, is
 true at that step on every process. A Python SIGTERM handler would replace that notifier at
-the OS level, so none is installed then; SIGINT (Ctrl-C) is forwarded to this process as
-SIGTERM and takes the same path.
+the OS level, so none is installed then; SIGINT (Ctrl-C) and SIGHUP are forwarded to this
+process as SIGTERM and take the same path. jax is imported on first use: the command line
+installs the handlers before it imports jax (seconds), so a signal then is not lost.
 """
 
 from __future__ import annotations
@@ -30,12 +31,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
-from jax.experimental import multihost_utils
-
 
 def _preemption_service() -> bool:
     """Whether JAX's multi-process preemption service is running in this process."""
+    import jax
+
     return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)
 
 
@@ -84,7 +84,7 @@ def _say(text: str) -> None:
 
 
 class StopSignal:
-    """Turns SIGTERM/SIGINT into "save and stop after this step", agreed across processes.
+    """Turns SIGTERM/SIGINT/SIGHUP into "save and stop after this step", agreed across processes.
 
     `requested` names the reason once a stop is due; `clear()` forgets it once acted on.
     With `exit_on_second_interrupt` (the command line) a SIGINT while a stop is pending exits
@@ -128,7 +128,7 @@ class StopSignal:
     def installed(self) -> Iterator[StopSignal]:
         """Handlers in place for the block; outside the main thread (no Python handlers there) a no-op."""
         if self._depth == 0 and threading.current_thread() is threading.main_thread():
-            handled = (signal.SIGINT,) if self.synced else (signal.SIGTERM, signal.SIGINT)
+            handled = (signal.SIGINT, signal.SIGHUP) if self.synced else (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
             self._previous = {sig: signal.signal(sig, self._handle) for sig in handled}
         self._depth += 1
         try:
@@ -143,11 +143,24 @@ class StopSignal:
 
     def should_stop(self, step: int) -> bool:
         """Whether to save `step` and stop; call after every step (on every process when synced)."""
-        if self.synced and multihost_utils.reached_preemption_sync_point(step):
+        if self.synced and _reached_sync_point(step):
             self.requested = f"SIGTERM (all {self.process_count} processes stop after the same step)"
         return self.requested is not None
+
+    def say_stopped(self, where: str) -> bool:
+        """Whether a stop is due before any work began; if so, says so on stdout (with `where`) and clears it."""
+        if not self.requested:
+            return False
+        print(f"maxmoe: {self.clear()}: stopped before training a step; {where}", flush=True)
+        return True
 
     def clear(self) -> str | None:
         """The pending reason, forgotten (the loop has acted on it)."""
         reason, self.requested, self._seen = self.requested, None, False
         return reason
+
+
+def _reached_sync_point(step: int) -> bool:
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)

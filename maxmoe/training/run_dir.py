@@ -26,9 +26,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 from jax.experimental import multihost_utils
 
-from maxmoe.config import UserError
+from maxmoe.config import ConfigError, UserError
+from maxmoe.config.fields import check_extent
+from maxmoe.config.yaml_reader import read_yaml
 
 LOCK_NAME = "maxmoe.lock"
 # What a run writes in run.dir: each must be a regular file (or folder) if it is there at all.
@@ -60,7 +63,7 @@ def prepare_run_dir(path: str | Path) -> Path:
 
     A regular file on the way, or a folder this process cannot write, is a UserError naming it.
     """
-    run_dir = Path(path).expanduser()
+    run_dir = Path(path)  # `~` was expanded in the config: every user of run.dir names the same folder
     for folder in (run_dir, *run_dir.parents):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"run.dir={path}: {folder} is a file, not a folder")
@@ -112,10 +115,14 @@ class RunDirLock:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "argv": sys.argv,
         }
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(holder) + "\n")
-        handle.flush()
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(holder) + "\n")
+            handle.flush()
+        except OSError as e:  # a full disk: the run would fail at its first write anyway
+            handle.close()
+            raise UserError(f"cannot write {self.path}: {e.strerror or type(e).__name__}") from None
         self._file = handle
 
     def _still_at_path(self, handle) -> bool:
@@ -196,3 +203,52 @@ def claim_run_dir(path: str | Path, process_index: int = 0, process_count: int =
     if not _agree(error is None, process_count):
         raise error or UserError(f"run.dir {run_dir}: process 0 could not lock it (see its error)")
     return lock
+
+
+# The first line of the config.yaml a run writes: a run.dir's config.yaml without it is not
+# rewritten (unless an earlier maxmoe wrote it, see `_written_by_a_run`).
+CONFIG_HEADER = "# maxmoe: the resolved config of the run in this folder (written again when it resumes)\n"
+
+
+def _written_by_a_run(path: Path) -> bool:
+    """Whether run.dir/config.yaml is one a run wrote: it starts with CONFIG_HEADER, or (written
+    before the header) it is exactly a YAML dump of a config, in a folder that holds a run."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.startswith(CONFIG_HEADER):
+        return True
+    if not ((path.parent / "checkpoints").is_dir() or (path.parent / "metrics.jsonl").is_file()):
+        return False
+    try:
+        loaded = read_yaml(text, str(path))
+        check_extent(str(path), loaded)
+    except ConfigError:
+        return False
+    return isinstance(loaded, dict) and yaml.safe_dump(loaded, sort_keys=False) == text
+
+
+def check_run_config(run_dir: str | Path) -> None:
+    """UserError when run.dir holds a config.yaml that no run wrote (a --config file, say): a run
+    writes its resolved config there, and must never overwrite a file it did not write."""
+    path = Path(run_dir) / "config.yaml"
+    if path.is_file() and not _written_by_a_run(path):
+        raise UserError(
+            f"run.dir {run_dir} holds config.yaml, not written by maxmoe (your --config file?); a run writes its "
+            f"resolved config there: choose another run.dir, or move the file away (nothing was changed)"
+        )
+
+
+def write_run_config(run_dir: str | Path, text: str) -> None:
+    """Write run.dir/config.yaml (CONFIG_HEADER, then `text`) whole or not at all: a full disk
+    leaves the one that was there, and is one UserError line."""
+    path = Path(run_dir) / "config.yaml"
+    tmp = path.with_name(f".config.yaml.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text(CONFIG_HEADER + text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror or type(e).__name__}); nothing was changed") from None
+    finally:
+        tmp.unlink(missing_ok=True)

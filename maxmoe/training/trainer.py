@@ -43,7 +43,7 @@ from maxmoe.training.optim import continued_schedule, learning_rate_schedule
 from maxmoe.training.preemption import StopSignal, hold, interruptible
 from maxmoe.training.programs import build_programs
 from maxmoe.training.progress import format_duration
-from maxmoe.training.run_dir import LOCK_NAME, claim_run_dir
+from maxmoe.training.run_dir import LOCK_NAME, check_run_config, claim_run_dir, write_run_config
 
 
 def host_value(x) -> np.ndarray:
@@ -92,6 +92,7 @@ class Trainer:
         self.run_dir = Path(config.run.dir)
         self.checkpointer = checkpoint.Checkpointer(config, self.run_dir)
         self.checkpointer.check_start()
+        check_run_config(self.run_dir)  # a user's own config.yaml there is never overwritten
         self.stop = stop.bind(jax.process_count()) if stop else StopSignal(jax.process_count())
         # Before anything compiles: run.dir must be writable and no other job may be using it.
         new_dir, new_lock = not self.run_dir.exists(), not (self.run_dir / LOCK_NAME).exists()
@@ -123,6 +124,9 @@ class Trainer:
         if restored is not None:
             self.state, self.step = restored.state, restored.step
             self.train_data.set_state(restored.data)
+            allowed = config.checkpoint.allow_config_change
+            if changed := data.check_same_data(restored.data, self.train_data, restored.step, allowed):
+                self.checkpointer.changes.append(changed)
             if self.step < t.steps:
                 self._say(f"maxmoe: resumed from {self.checkpointer.directory}, step {self.step}")
                 if self.checkpointer.changes:
@@ -170,7 +174,7 @@ class Trainer:
         )
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(config.to_yaml())
+            write_run_config(self.run_dir, config.to_yaml())
             xla_flags.write_effective(self.run_dir, flags)
 
     # -- console -----------------------------------------------------------------------------
@@ -335,7 +339,10 @@ class Trainer:
                     paused += self._count("eval", start)
                 # Read the previous step's counter so one step stays in flight. Skipped steps left the
                 # parameters as the last finite step made them, so the state saved here is a good one.
-                if self._pending_bad is not None and int(host_value(self._pending_bad)) >= t.max_bad_steps:
+                bad = None if self._pending_bad is None else int(host_value(self._pending_bad))
+                if bad == 0:  # the previous step was finite: the save it trained from is proven
+                    self.checkpointer.proof.trained_cleanly(step - 1)
+                if bad is not None and bad >= t.max_bad_steps:
                     self._stop_on_bad_steps()
                     break
                 self._pending_bad = metrics["bad_steps"]
@@ -344,6 +351,8 @@ class Trainer:
                 if force or (self.config.checkpoint.every and step % self.config.checkpoint.every == 0):
                     # Saving waits for the step in flight: finish it first so that the wait counts as training.
                     jax.block_until_ready(self.state)
+                    if int(host_value(metrics["bad_steps"])) == 0:  # the step is done: read with no wait
+                        self.checkpointer.proof.trained_cleanly(step)
                 start = time.perf_counter()
                 self.checkpointer.save(step, self.state, self.train_data.get_state(), force=force)
                 paused += self._count("checkpoints", start)
@@ -408,11 +417,17 @@ class Trainer:
         t = self.config.train
         self.save()
         self.stop_reason = BAD_STEPS
+        proven = self.checkpointer.proof.proven
+        kept = (
+            f"step {proven}, the last step that trained cleanly, is kept"
+            if proven is not None and proven != self.step
+            else "no saved step has trained cleanly since"
+        )
         if self.is_main:
             print(
                 f"maxmoe: stopping: {t.max_bad_steps} consecutive steps had a non-finite loss or gradient "
-                f"norm and were skipped; the last good parameters are saved as step {self.step} in "
-                f"{self.checkpointer.directory}",
+                f"norm and were skipped; step {self.step} in {self.checkpointer.directory} holds the parameters "
+                f"from before them; {kept}",
                 file=sys.stderr,
             )
 
@@ -511,16 +526,24 @@ def summary(trainer: Trainer) -> list[str]:
     return lines
 
 
-def train(config: Config, devices: Sequence[Any] | None = None) -> int:
+def train(config: Config, devices: Sequence[Any] | None = None, *, stop: StopSignal | None = None) -> int:
     """Run the job described by `config` to train.steps; returns the process exit status.
 
-    0 when done or stopped by SIGTERM/SIGINT (saved), 1 when train.max_bad_steps stopped it.
-    Signal handlers are in place from the start (set-up, compiling and the last save included)
-    and restored on return; a signal before the first step stops the job with nothing trained,
-    and a second SIGINT exits at once (status 130).
+    0 when done or stopped by SIGTERM/SIGINT/SIGHUP (saved), 1 when train.max_bad_steps stopped it.
+    Signal handlers are in place from the start (set-up, compiling and the last save included;
+    `stop`: the command line's, installed before jax was imported) and restored on return; a
+    signal before the first step stops the job with nothing trained, and a second SIGINT exits
+    at once (status 130).
     """
-    stop = StopSignal(exit_on_second_interrupt=True)
-    with stop.installed(), Trainer(config, devices, stop=stop) as trainer:
+    stop = stop or StopSignal(exit_on_second_interrupt=True)
+    with stop.installed():
+        if stop.say_stopped(f"run.dir {config.run.dir} was not touched"):
+            return 0
+        return _train(config, devices, stop)
+
+
+def _train(config: Config, devices: Sequence[Any] | None, stop: StopSignal) -> int:
+    with Trainer(config, devices, stop=stop) as trainer:
         if trainer.finished:
             return 0  # the Trainer said so
         trainer.run()
