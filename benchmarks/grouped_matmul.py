@@ -14,7 +14,9 @@ forward+backward), and executed/useful FLOPs from XLA's `compiled.cost_analysis(
 calls such as Pallas kernels are not counted by XLA: shown as "-"). `dense` is one
 [valid rows, D] x [D, F] matmul of the same useful FLOPs: the ceiling. Backends are the
 ones of `maxmoe.kernels.grouped_matmul` (through maxmoe's own interface); one that cannot
-run here is listed with the reason. --peak N also times one bf16 N^3 matmul.
+run here is listed with the reason. --peak N also times one bf16 N^3 matmul. --tiles sweeps the
+Mosaic GPU forward kernel's tiles (TILE_CANDIDATES) on each shape's forward and dx GEMMs and prints
+the fastest as entries of maxmoe.kernels.mosaic_ragged_dot.TILES.
 """
 
 import argparse
@@ -29,6 +31,8 @@ SHAPES = {
     "small": dict(rows=256, groups=8, d=64, f=64),
 }
 BACKENDS = ("dense", "ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")
+# (block_m, block_n, block_k, stages) the tile sweep tries; the first is pick_blocks' rule.
+TILE_CANDIDATES = ((128, 128, 64, 4), (128, 256, 64, 4), (128, 256, 64, 3), (128, 128, 128, 3), (64, 128, 64, 4))
 
 
 def timed(fn, args, repeats):
@@ -150,6 +154,55 @@ def run_shape(name, shape, valid, backends, dtype_name, repeats, emit=lambda row
     return rows
 
 
+def sweep_tiles(name, shape, valid, repeats, emit=lambda rows: None):
+    """Rows of the tile sweep for one shape: each candidate on the forward GEMM [D -> F] and the
+    dx GEMM [F -> D] (transposed weights), the forward kernel alone, TFLOP/s on the valid rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from maxmoe.kernels.mosaic_ragged_dot import Blocks, mosaic_kernels
+
+    m, g, d, f = shape["rows"], shape["groups"], shape["d"], shape["f"]
+    valid_rows = max(g, int(m * valid) // g * g)
+    sizes = jnp.full((g,), valid_rows // g, jnp.int32)
+    rows = []
+    for gemm, k, n, transpose in (("fwd", d, f, False), ("dx", f, d, True)):
+        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        w = jax.random.normal(jax.random.key(1), (g, n, k) if transpose else (g, k, n), jnp.bfloat16)
+        for bm, bn, bk, stages in TILE_CANDIDATES:
+            row = {"shape": name, "gemm": gemm, "k": k, "n": n, "transpose_rhs": transpose}
+            row.update(block_m=bm, block_n=bn, block_k=bk, stages=stages, ms=None, tflops=None)
+            if k % bk or n % bn:
+                row["status"] = "skipped: the tile does not divide the GEMM"
+            else:
+                kernels = mosaic_kernels({(k, n, transpose): Blocks(bm, bn, bk, stages)})
+                try:
+                    fn = jax.jit(
+                        lambda x, w, s, kernels=kernels, t=transpose: kernels.forward(x, w, s, transpose_rhs=t)
+                    )
+                    seconds = timed(fn.trace(x, w, sizes).lower().compile(), (x, w, sizes), repeats)
+                    row.update(ms=seconds * 1e3, tflops=2 * valid_rows * k * n / seconds / 1e12, status="ok")
+                except Exception as e:  # noqa: BLE001 - a tile the kernel refuses is a row, not the end
+                    row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            rows.append(row)
+            emit(rows)
+    return rows
+
+
+def best_tiles(rows) -> list[str]:
+    """The fastest tile per GEMM as TILES entries (Python), with the rate it reached."""
+    best = {}
+    for r in rows:
+        key = (r["k"], r["n"], r["transpose_rhs"])
+        if r["tflops"] is not None and r["tflops"] > best.get(key, {"tflops": -1})["tflops"]:
+            best[key] = r
+    return [
+        f"    ({k}, {n}, {t}): Blocks({r['block_m']}, {r['block_n']}, {r['block_k']}, {r['stages']}),"
+        f"  # {r['shape']} {r['gemm']}: {r['tflops']:.0f} TFLOP/s"
+        for (k, n, t), r in best.items()
+    ]
+
+
 def gemm_table(rows, labels, ratios):
     """A forward and a forward+backward column group per row: ms, TFLOP/s, then the ratios.
 
@@ -199,6 +252,7 @@ def main(argv=None):
     parser.add_argument("--peak", type=int, default=0, help="also time one N^3 matmul (0: skip)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tiles", action="store_true", help="sweep the Mosaic GPU forward kernel's tiles instead")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not 0 < args.valid <= 1:
@@ -233,6 +287,8 @@ def main(argv=None):
     )
 
     write(rows)
+    if args.tiles:
+        return tile_sweep(shapes, args, write, command)
     for name, shape in shapes.items():
         done = list(rows)
         rows += run_shape(
@@ -246,7 +302,39 @@ def main(argv=None):
         print(f"matmul peak: {peak['tflops']:.2f} TFLOP/s ({args.peak}^3, {peak['ms']:.3f} ms)")
     print(format_table(rows))
     write(rows)
-    return 0
+    failed = [
+        f"{r['shape']} {r['backend']} {p}"
+        for r in rows
+        for p in ("fwd", "fwd_bwd")
+        if r[p]["status"].startswith("failed")
+    ]
+    if failed:
+        print(f"grouped matmul: {len(failed)} measurement(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def tile_sweep(shapes, args, write, command) -> int:
+    """--tiles: the sweep's rows per shape, the table, and the fastest tiles as TILES entries."""
+    from maxmoe.kernels.choice import resolve_grouped_matmul, target
+
+    choice = resolve_grouped_matmul("auto", *target())
+    if choice.name != "mosaic_gpu":
+        print(f"$ {command}\ntile sweep: the Mosaic GPU kernels cannot run here ({choice.reason})")
+        return 0
+    rows = []
+    for name, shape in shapes.items():
+        done = list(rows)
+        rows += sweep_tiles(name, shape, args.valid, args.repeats, lambda new, done=done: write(done + new))
+    print(f"$ {command}")
+    head = f"{'shape':<6} {'gemm':<4} {'k':>6} {'n':>6} {'tile m,n,k,stages':<18} {'ms':>9} {'TFLOP/s':>8}  status"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        tile = f"{r['block_m']},{r['block_n']},{r['block_k']},{r['stages']}"
+        ms, tf = (f"{r['ms']:9.3f}", f"{r['tflops']:8.1f}") if r["ms"] is not None else (f"{'-':>9}", f"{'-':>8}")
+        print(f"{r['shape']:<6} {r['gemm']:<4} {r['k']:>6} {r['n']:>6} {tile:<18} {ms} {tf}  {r['status']}")
+    print("fastest, as maxmoe.kernels.mosaic_ragged_dot.TILES entries:\n" + "\n".join(best_tiles(rows)))
+    write(rows)
+    return 1 if any(r["status"].startswith("failed") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -272,3 +272,24 @@ def test_cudnn_attention_takes_mla_head_dims_as_they_are(kind):
     assert len(calls) == 2 and "stablehlo.pad" not in text
     assert re.search(r"tensor<2x(256x4|4x256)x128xbf16>", calls[0].split("->")[-1])  # the output at v's dim
     assert "attention_core" in lowered.as_text(debug_info=True)  # the profile's class (maxmoe.analysis.trace_breakdown)
+
+
+def test_the_mosaic_forward_kernel_takes_its_tiles_from_the_table():
+    """A GEMM listed in TILES lowers with those tiles (the kernel module differs from the rule's);
+    one not listed keeps pick_blocks' rule."""
+    from maxmoe.kernels import mosaic_ragged_dot as mrd
+
+    x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
+    assert mrd.forward_blocks(128, 256, False) == mrd.pick_blocks(128, 256)
+    tiled = mrd.Blocks(m=64, n=256, k=128, stages=2)
+    assert mrd.forward_blocks(128, 256, False, {(128, 256, False): tiled}) == tiled
+
+    def lowered(tiles):
+        kernels = mrd.mosaic_kernels(tiles)
+        with simulated_gpu(KINDS["sm_90"], count=1):
+            return jax.jit(kernels.forward).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+
+    rule, table = lowered({}), lowered({(128, 256, False): tiled})
+    assert "mosaic_gpu" in rule and "mosaic_gpu" in table and rule != table

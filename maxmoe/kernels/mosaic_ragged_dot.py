@@ -56,6 +56,19 @@ class Blocks:
     stages: int = 4  # TMA pipeline depth (max_concurrent_steps)
 
 
+# Tiles of the forward kernel per GEMM it runs, (contraction K, output N, transpose_rhs): the
+# forward [D -> F] GEMMs and the dx GEMMs (transposed weights). Measured by a sweep on the device
+# (benchmarks/grouped_matmul.py --tiles prints these entries with the rates they reached); a GEMM
+# not listed takes `pick_blocks`' rule. Empty until the sweep has run on an H200.
+TILES: dict[tuple[int, int, bool], Blocks] = {}
+
+
+def forward_blocks(k: int, n: int, transpose_rhs: bool, tiles: dict | None = None) -> Blocks:
+    """The forward kernel's tiles for a [*, k] x [k, n] GEMM: `tiles` (default TILES), else the rule."""
+    listed = (TILES if tiles is None else tiles).get((k, n, transpose_rhs))
+    return listed or pick_blocks(k, n)
+
+
 def _largest_divisor(size: int, options: tuple[int, ...]) -> int | None:
     return next((b for b in options if size % b == 0), None)
 
@@ -138,13 +151,14 @@ class Kernels:
     weight_grad: callable
 
 
-def mosaic_kernels() -> Kernels:
-    """jax's Hopper kernels behind the `Kernels` contract."""
+def mosaic_kernels(tiles: dict | None = None) -> Kernels:
+    """jax's Hopper kernels behind the `Kernels` contract; the forward kernel's tiles from `tiles`
+    (default TILES, see `forward_blocks`)."""
     ragged, transposed = mosaic_modules()
 
     def forward(x, w, sizes, transpose_rhs=False):
         n = w.shape[1] if transpose_rhs else w.shape[2]
-        blocks = pick_blocks(x.shape[1], n)
+        blocks = forward_blocks(x.shape[1], n, transpose_rhs, tiles)
         return ragged.ragged_dot(
             x,
             w,
