@@ -94,7 +94,7 @@ def _describe(rate: Rate) -> str:
 
 
 def calibrated(row, system: System, path: str) -> tuple[float, str, str]:
-    """(efficiency, status, source) of `row` from the rates file at `path` (steps 3-5 of the module docstring)."""
+    """(efficiency, status, source) of `row` from the rates file at `path`: measured, carried, stand-in, default."""
     table = load_rates(path)
     key = (row.kernel_class, row.backend, row.precision)
     notes = []

@@ -1,63 +1,16 @@
-"""Step-time planner: a dry run's per-device FLOPs and collectives by tier -> step time and TFLOP/s per GPU.
+"""Step-time planner: a dry run's compute rows and collectives per device -> step time and TFLOP/s per GPU.
 
-    prediction = predict(workload_from_ops(rows, ...), SYSTEMS["gb300"], Assumptions())
+    prediction = predict(step_workload(config, rows, ...), SYSTEMS["gb300"], Assumptions())
 
-`maxmoe.sweep --dry-run --system NAME` calls it for every shape (default: the config's
-xla.profile). The model, per device and per step; every constant is a field of
-`Assumptions` with its public source (maxmoe.analysis.assumptions; `sweep --assume NAME=VALUE`):
-
-  compute     t_c = sum over compute rows of X_r / (peak[r] x e_r). A row (Compute) is one class of
-              FLOPs on one kernel (maxmoe.analysis.charging): X_r its executed FLOPs (model FLOPs,
-              what model.remat and the chunked loss run again, context parallelism's up-projections,
-              times the kernel's overhead: ragged_dot's G x, padded attention), peak[r] the bf16 or
-              FP8 peak it runs at, e_r its efficiency (maxmoe.analysis.calibration: the rate its
-              kernel was measured at, carried from another device, assumed, or uncalibrated; each
-              row's value and source are in the prediction's `compute`). Model FLOPs give
-              TFLOP/s per GPU and MFU; MFU is against the peak of the precision each class
-              runs at (`mfu_bf16_peak` beside it). With pipeline stages the stages' timeline is
-              t_c / (1 - bubble) x stage_imbalance: the parts "pipeline bubble" and "stage
-              imbalance" (the busiest chunk's time over the mean: pipeline_compute_scale) apart.
-  collective  t_i = launches x latency[tier] x hops + bytes / (bandwidth[tier] x link[tier, kind]); a
-              row of zero bytes or one device moves nothing and launches nothing.
-              Launches are counted after XLA:GPU's combining: the all-gathers, reduce-scatters
-              and all-reduces of one computation, pass, tier and group size merge up to the
-              system's profile thresholds (maxmoe.xla_flags: xla_gpu_*_combine_threshold_bytes,
-              on result bytes); XLA:CPU's program, which the dry run reads, has no such
-              combining. Bytes per launch set the effective efficiency through the latency
-              term (an alpha-beta model). hops = P - 1 for a ring pass (all-gather,
-              reduce-scatter), 2 ceil(log2 P) for an all-reduce (NCCL's tree or NVLink SHARP: a
-              latency-bound all-reduce is not a ring), 1 for an all-to-all or a permute.
-              tier: scale_up (inside a scale-up domain) or scale_out.
-  overlap     a fraction overlap[(tier, kind, phase)] of t_i runs under compute, the rest adds
-              to the step. phase "loop": the op sits in a loop (micro-batches, layer scan),
-              where XLA's scheduler can prefetch it, whatever its trip count; "step": outside
-              every loop (the two-tier gather and reduce-scatter: nothing beside them). The
-              expert all-to-all is hidden (a2a_batch_split_overlap) only where the workload
-              says the lowered program has independent chains (moe.overlap=batch_split,
-              maxmoe.analysis.hlo_deps). phase "dependent": in the loop but on the layer's own
-              activations, so nothing can prefetch it (context parallelism's latent gathers and
-              their reduce-scatters, `maxmoe.parallel.context.LATENT_GATHER`): exposed.
-  hidden      checked per pass: what is called hidden in the forward (backward) pass must fit
-              under that pass's compute -- per layer, as each loop-phase collective runs once
-              per layer and micro-batch beside that layer's compute; the forward pass holds a
-              third of the model FLOPs, the backward the rest and the recompute. A class that runs
-              in the last micro-batch only (mesh.reduce_per_layer's per-layer cross-domain
-              reduce-scatters, jax scope `reduce_to_zero1` inside a loop: `window` = 1 /
-              micro-batches) must also fit, with its fabric's other traffic there, under that
-              window's compute. The largest excess of a fabric over the compute beside it, in the
-              whole pass or its last window, extends the step, charged to its labels.
-  step        t = timeline + excess + exposed + t_optimizer (optimizer bytes through HBM).
-  outputs     tokens/s, TFLOP/s per GPU (model FLOPs / t), MFU, exposed_fraction (the step's
-              non-compute share) and the bound: the term on the critical path that takes
-              longest -- compute, the pipeline bubble, the stage imbalance, the expert
-              all-to-all, scale-up traffic, cross-domain traffic (a fabric whose hidden
-              traffic outlasts a pass's compute takes that pass's time), memory -- or "memory
-              (does not fit)" when the compiled footprint exceeds HBM.
-Rough where it is rough: no contention between collectives sharing a fabric (nor with the
-GEMMs for SMs), no stragglers or jitter, one measured shape per kernel, no time for what is not
-a GEMM (norms, softmax, the loss's log-sum-exp, sorting), the expert all-to-all assumed
-balanced (what the dry run's stand-in moves), combining within the thresholds assumed
-unhindered by data dependences inside one pass.
+Per device and step: compute is the sum over compute rows of executed FLOPs / (peak x
+efficiency) (rows: maxmoe.analysis.charging; efficiencies: maxmoe.analysis.calibration); a
+collective class costs launches x latency x hops + bytes / (bandwidth x link efficiency), the
+`overlap` fraction of it hidden under its pass's compute, hidden traffic that outlasts that
+compute extending the step; the pipeline's bubble and stage imbalance scale the compute; the
+optimizer's HBM bytes add. Outputs: tokens/s, TFLOP/s per GPU on model FLOPs, MFU, the exposed
+fraction and the bound (the longest term on the critical path). Every constant is a field of
+Assumptions with its public source. The model in full, and where it is rough:
+docs/PERFORMANCE.md, "The planner's model".
 """
 
 from __future__ import annotations
@@ -201,7 +154,7 @@ def compute_seconds(w: Workload, system: System, a: Assumptions) -> tuple[float,
 
 
 def predict(w: Workload, system: System, a: Assumptions = DEFAULT_ASSUMPTIONS) -> Prediction:
-    """Step time and throughput of `w` on `system` under `a` (the module docstring's model)."""
+    """Step time and throughput of `w` on `system` under `a` (docs/PERFORMANCE.md, "The planner's model")."""
     t_compute, t_peak, records = compute_seconds(w, system, a)
     contributions = {"compute": t_compute}
     timeline = t_compute / (1.0 - w.bubble) * w.stage_imbalance
