@@ -50,6 +50,7 @@ import numpy as np
 from maxmoe import runtime
 from maxmoe.analysis.assumptions import Assumptions, assume
 from maxmoe.analysis.assumptions import table as assumption_table
+from maxmoe.analysis.calibration import load_calibration
 from maxmoe.analysis.dry_run import GB, METHOD, dry_run_shape
 from maxmoe.analysis.flops import flops_per_token, mfu, peak_tflops
 from maxmoe.analysis.planner import SYSTEMS
@@ -58,7 +59,6 @@ from maxmoe.analysis.sweep_table import COMPACT_COLUMNS, DRY_RUN_COLUMNS, format
 from maxmoe.cli import check_output_file, config_from_args, main_guard, make_parser
 from maxmoe.config import MAX_CPU_DEVICES, Config, ConfigError, UserError
 from maxmoe.data import resolve_vocab_size
-from maxmoe.kernels.rates import load_rates
 from maxmoe.parallel.layout import Layout, build_layout
 from maxmoe.parallel.mesh import build_mesh, check_divisible, resolve_rules, resolve_shape
 from maxmoe.parallel.names import SIZED_MESH_AXES
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     system = args.system or (config.xla.profile if config.xla.profile in SYSTEMS else None)
     assumptions = Assumptions()
     if args.calibration:
-        load_rates(args.calibration)  # a bad file: one line now, before any compile
+        load_calibration(args.calibration)  # a bad file: one line now, before any compile
         assumptions = dataclasses.replace(assumptions, calibration=args.calibration)
     for text in args.assume:
         try:

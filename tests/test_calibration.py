@@ -180,8 +180,12 @@ def test_a_bad_calibration_file_is_one_line_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rates:\n  - {class: dense}\n")
     args = ["--config", GB300_256[0], "--config", GB300_256[1], "--replan", str(SHIPPED)]
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text(textwrap.dedent(RATES).replace("system: h200", "system: mi300", 1))
     assert sweep.main([*args, "--calibration", str(bad)]) == 2
+    assert sweep.main([*args, "--calibration", str(elsewhere)]) == 2
     assert sweep.main([*args, "--assume", "compute_efficiency.moon=0.5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("maxmoe: error: ") for line in err)
-    assert f"rates file {bad}: rates[0]" in err[0] and "compute_efficiency.CLASS" in err[1]
+    assert len(err) == 3 and all(line.startswith("maxmoe: error: ") for line in err)
+    assert f"rates file {bad}: rates[0]" in err[0] and "compute_efficiency.CLASS" in err[2]
+    assert f"rates file {elsewhere}: rates[0]: system 'mi300' is not one the planner knows" in err[1]

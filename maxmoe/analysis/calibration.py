@@ -18,7 +18,8 @@ import math
 
 from maxmoe.analysis.assumptions import SYSTEMS, Assumptions, System
 from maxmoe.analysis.flops import fp8_gemm_classes
-from maxmoe.kernels.rates import Rate, load_rates
+from maxmoe.config import UserError
+from maxmoe.kernels.rates import Rate, RateTable, load_rates
 
 DEFAULT_EFFICIENCY = 0.5
 # A kernel without a rate of its own takes its stand-in's (kernel class, backend, precision), and why.
@@ -79,10 +80,9 @@ def _distance(rate: Rate, dims: dict) -> float:
 
 def best_rate(rates, dims: dict, system: str) -> Rate | None:
     """The rate of one kernel a row takes (the module docstring's order), or None."""
-    known = [r for r in rates if r.system in SYSTEMS]
-    if not known:
+    if not rates:
         return None
-    return min(known, key=lambda r: (r.pass_ != "fwd+bwd", round(_distance(r, dims), 6), r.system != system))
+    return min(rates, key=lambda r: (r.pass_ != "fwd+bwd", round(_distance(r, dims), 6), r.system != system))
 
 
 def _describe(rate: Rate) -> str:
@@ -93,9 +93,21 @@ def _describe(rate: Rate) -> str:
     )
 
 
+def load_calibration(path: str) -> RateTable:
+    """The rates file at `path`, every rate on a system the planner knows; UserError (one line) if not."""
+    table = load_rates(path)
+    for i, rate in enumerate(table.rates):
+        if rate.system not in SYSTEMS:
+            raise UserError(
+                f"rates file {path}: rates[{i}]: system {rate.system!r} is not one the planner knows "
+                f"({', '.join(SYSTEMS)}; maxmoe/analysis/assumptions.py)"
+            )
+    return table
+
+
 def calibrated(row, system: System, path: str) -> tuple[float, str, str]:
     """(efficiency, status, source) of `row` from the rates file at `path`: measured, carried, stand-in, default."""
-    table = load_rates(path)
+    table = load_calibration(path)
     key = (row.kernel_class, row.backend, row.precision)
     notes = []
     for _ in range(4):  # a stand-in's stand-in, at most a few deep
