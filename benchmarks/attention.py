@@ -1,13 +1,16 @@
-"""Causal MLA attention (qk head dim 192, v 128) forward+backward per implementation.
+"""Causal MLA attention (qk head dim 192, v 128) per implementation, forward and forward+backward.
 
-    PYTHONPATH=. python benchmarks/attention.py [--case 1,128,4096 --case 8,16,4096] [--impl xla --impl triton ...]
+    PYTHONPATH=. python benchmarks/attention.py [--case 1,128,4096 --case 8,16,4096] [--impl cudnn --impl chunked ...]
         [--dtype bfloat16] [--repeats 5] [--json OUT]
 
-Each case is B,H,T. Implementations: xla (dense scores, the oracle), chunked (XLA, blocks
-of --chunk), triton (jax's Pallas Triton flash kernels), cudnn (cuDNN through
-jax.nn.dot_product_attention), tokamax (when installed); one that cannot run here is listed with the reason. Reported:
-ms of forward+backward, TFLOP/s on the causal useful FLOPs (forward 2 x B x H x T^2/2 x
-(192 + 128); backward 2.5 x forward), and the compiled temp memory.
+Each case is B,H,T: by default the 671B model's heads on one sequence (1,128,4096, shape
+"671b_heads") and proxy_1gpu's batch (8,16,4096, "proxy_heads"). Implementations: cudnn (cuDNN
+through jax, v at its own head dim), tokamax (when installed), triton (jax's Pallas Triton
+kernel, v padded to 192 and both to 256: the padded work is not counted), chunked (XLA, blocks
+of --chunk) and xla (dense scores, the oracle); one that cannot run here is listed with the
+reason. Reported per pass: ms, TFLOP/s on the model FLOPs (forward: the causal half,
+2 x B x H x T^2/2 x (192 + 128); forward+backward 3x that, the convention of
+maxmoe.analysis.flops and the rate table) and the compiled temp memory.
 """
 
 import argparse
@@ -16,8 +19,10 @@ import time
 
 from results import command_line, rows_writer
 
-IMPLEMENTATIONS = ("xla", "chunked", "triton", "cudnn", "tokamax")
+IMPLEMENTATIONS = ("cudnn", "tokamax", "triton", "chunked", "xla")  # kernels before XLA's cores
 QK, V = 192, 128
+SHAPES = {(1, 128, 4096): "671b_heads", (8, 16, 4096): "proxy_heads"}  # the rate table's shape names
+PASSES = (("fwd", 1), ("fwd_bwd", 3))  # model FLOPs: backward counts twice the forward
 
 
 def parse_case(text):
@@ -36,8 +41,29 @@ def attention_fn(name, chunk, platform):
     return lambda q, k, v, s: kernel(name)(q, k, v, s, interpret=platform != "gpu")
 
 
+def _timed(compiled, args, repeats):
+    import jax
+
+    jax.block_until_ready(compiled(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def _unavailable(name, platform):
+    if name == "tokamax":
+        from maxmoe.kernels.grouped_matmul import tokamax_problem
+
+        return f"not available: {tokamax_problem()}" if tokamax_problem() else ""
+    if name in ("triton", "cudnn") and platform != "gpu":
+        return f"not run: {name} needs an NVIDIA GPU"
+    return ""
+
+
 def run_case(case, names, dtype_name, chunk, repeats, emit=lambda rows: None):
-    """Rows for one (B, H, T); `emit(rows so far)` after each implementation's row."""
+    """Rows for one (B, H, T); `emit(rows so far)` after each pass of each implementation."""
     import jax
     import jax.numpy as jnp
 
@@ -48,49 +74,43 @@ def run_case(case, names, dtype_name, chunk, repeats, emit=lambda rows: None):
     k = jax.random.normal(keys[1], (b, t, h, QK), dtype)
     v = jax.random.normal(keys[2], (b, t, h, V), dtype)
     ct = jax.random.normal(keys[3], (b, t, h, V), dtype)
-    useful = 3.5 * 2 * b * h * t * t / 2 * (QK + V)
+    forward_flops = 2 * b * h * t * t / 2 * (QK + V)
     platform = jax.devices()[0].platform
     rows = []
     for name in names:
-        row = {"case": f"B={b} H={h} T={t}", "impl": name, "ms": None, "tflops": None, "temp_gb": None}
-        if name == "tokamax":
-            from maxmoe.kernels.grouped_matmul import tokamax_problem
-
-            if tokamax_problem():
-                row["status"] = f"not available: {tokamax_problem()}"
-                rows.append(row)
-                emit(rows)
-                continue
-        elif name in ("triton", "cudnn") and platform != "gpu":
-            row["status"] = f"not run: {name} needs an NVIDIA GPU"
-            rows.append(row)
+        status = _unavailable(name, platform)
+        row = {"case": f"B={b} H={h} T={t}", "shape": SHAPES.get(case, f"b{b}_h{h}_t{t}"), "impl": name}
+        for part, _ in PASSES:
+            row[part] = {"ms": None, "tflops": None, "temp_gb": None, "status": status or "ok"}
+        rows.append(row)
+        if status:
             emit(rows)
             continue
         attend = attention_fn(name, chunk, platform)
 
-        def loss(q, k, v, attend=attend):
-            return jnp.sum(attend(q, k, v, QK**-0.5).astype(jnp.float32) * ct)
+        def forward(q, k, v, attend=attend):
+            return attend(q, k, v, QK**-0.5)
 
-        try:
-            forward_backward = jax.value_and_grad(loss, argnums=(0, 1, 2))
-            compiled = jax.jit(forward_backward).trace(q, k, v).lower().compile()
-            memory = compiled.memory_analysis()
-            jax.block_until_ready(compiled(q, k, v))
-            start = time.perf_counter()
-            for _ in range(repeats):
-                out = compiled(q, k, v)
-            jax.block_until_ready(out)
-            seconds = (time.perf_counter() - start) / repeats
-            row.update(
-                ms=seconds * 1e3,
-                tflops=useful / seconds / 1e12,
-                temp_gb=memory.temp_size_in_bytes / 1e9 if memory else None,
-                status="ok",
-            )
-        except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
-            row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        rows.append(row)
-        emit(rows)
+        def loss(q, k, v, forward=forward):
+            return jnp.sum(forward(q, k, v).astype(jnp.float32) * ct)
+
+        # value_and_grad: the forward runs too, and its time is the pass's as training runs it
+        functions = {"fwd": forward, "fwd_bwd": jax.value_and_grad(loss, argnums=(0, 1, 2))}
+        for part, factor in PASSES:
+            try:
+                compiled = jax.jit(functions[part]).trace(q, k, v).lower().compile()
+                memory = compiled.memory_analysis()
+                seconds = _timed(compiled, (q, k, v), repeats)
+                row[part] = {
+                    "ms": seconds * 1e3,
+                    "tflops": factor * forward_flops / seconds / 1e12,
+                    "temp_gb": memory.temp_size_in_bytes / 1e9 if memory else None,
+                    "status": "ok",
+                }
+            except Exception as e:  # noqa: BLE001 - report the failure in the table, go on
+                message = str(e).splitlines()[0][:120] if str(e) else ""
+                row[part]["status"] = f"failed: {type(e).__name__}: {message}"
+            emit(rows)
     return rows
 
 
@@ -121,16 +141,30 @@ def main(argv=None):
         rows += run_case(case, names, args.dtype, args.chunk, args.repeats, lambda new, done=done: write(done + new))
     print(f"$ {command}")
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {args.dtype}, qk {QK} v {V}, causal")
-    head = f"{'case':<20} {'impl':<8} {'f+b ms':>9} {'TFLOP/s':>8} {'temp GB':>8}  status"
+    head = f"{'case':<20} {'impl':<8} {'fwd ms':>9} {'TFLOP/s':>8} {'f+b ms':>9} {'TFLOP/s':>8} {'temp GB':>8}  status"
     print(head)
     print("-" * len(head))
     for r in rows:
-        ms = f"{r['ms']:.2f}" if r["ms"] is not None else "-"
-        tf = f"{r['tflops']:.1f}" if r["tflops"] is not None else "-"
-        mem = f"{r['temp_gb']:.2f}" if r["temp_gb"] is not None else "-"
-        print(f"{r['case']:<20} {r['impl']:<8} {ms:>9} {tf:>8} {mem:>8}  {r['status']}")
+        cells = []
+        for part, _ in PASSES:
+            p = r[part]
+            cells.append(f"{p['ms']:9.2f} {p['tflops']:8.1f}" if p["ms"] is not None else f"{'-':>9} {'-':>8}")
+        temp = r["fwd_bwd"]["temp_gb"]
+        status = (
+            r["fwd"]["status"]
+            if r["fwd"]["status"] == r["fwd_bwd"]["status"]
+            else f"{r['fwd']['status']} / {r['fwd_bwd']['status']}"
+        )
+        print(
+            f"{r['case']:<20} {r['impl']:<8} {cells[0]} {cells[1]} {f'{temp:.2f}' if temp is not None else '-':>8}  {status}"
+        )
     write(rows)
-    return 0
+    failed = [
+        f"{r['case']} {r['impl']} {part}" for r in rows for part, _ in PASSES if r[part]["status"].startswith("failed")
+    ]
+    if failed:
+        print(f"attention: {len(failed)} measurement(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -149,7 +149,9 @@ def main(argv=None):
     except ConfigError as e:  # a backend that cannot run here
         parser.error(str(e))
 
-    write = rows_writer(args.json, command=command, device_kind=device.device_kind, jax=jax.__version__)
+    write = rows_writer(
+        args.json, command=command, device_kind=device.device_kind, jax=jax.__version__, grouped_backend=backend
+    )
 
     rows = []
     for name in args.shape or ["671b"]:
@@ -158,7 +160,10 @@ def main(argv=None):
     header = f"jax {jax.__version__}, {device.platform} {device.device_kind}, operands bf16, grouped backend {backend}"
     print(f"$ {command}\n{header}\n{format_table(rows)}")
     write(rows)
-    return 0
+    failed = [f"{r['kind']} {r['recipe']} {p}" for r in rows for p in ("fwd", "fwd_bwd") if r[p]["status"] != "ok"]
+    if failed:
+        print(f"fp8 matmul: {len(failed)} measurement(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

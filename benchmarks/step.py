@@ -9,7 +9,9 @@ profile), builds the mesh from the config, compiles the donated train step and t
 key=value overrides) is timed in this same process; an XLA flag profile is fixed for the
 process, so compare profiles in separate runs. A variant that fails (out of memory, a kernel
 that does not run here) is listed with its error; the table is ranked by tokens/s, best
-first, and names the grouped matmul and attention each variant resolved to.
+first, and names the grouped matmul and attention each variant resolved to. --profile DIR traces
+--profile-steps more steps of the first variant that ran (jax.profiler, after its timing) and
+prints where their time went (maxmoe.analysis.trace_breakdown), written as DIR/breakdown.json.
 """
 
 import json
@@ -21,10 +23,12 @@ from pathlib import Path
 import jax
 
 from maxmoe import runtime
+from maxmoe.analysis.trace_breakdown import Breakdown, format_table, model_flops_by_class, profile_breakdown
 from maxmoe.cli import config_from_args, main_guard, make_parser
 from maxmoe.config import UserError, load_config
 from maxmoe.parallel.layout import build_layout
 from maxmoe.sweep import time_shape
+from maxmoe.training.programs import build_programs
 
 
 @main_guard
@@ -41,11 +45,13 @@ def main(argv=None):
     )
     parser.add_argument("--label", default="", help="a name for this run in the table and JSON")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--profile", metavar="DIR", help="trace the first variant's steps and break them down")
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps traced with --profile")
     args = parser.parse_args(argv)
     if not args.config:
         raise UserError("--config FILE is required")
-    if args.steps <= 0 or args.warmup < 0:
-        raise UserError("--steps must be positive and --warmup non-negative")
+    if args.steps <= 0 or args.warmup < 0 or args.profile_steps <= 0:
+        raise UserError("--steps and --profile-steps must be positive and --warmup non-negative")
     base = config_from_args(args)
     variants = [(v, load_config(args.config, list(args.overrides) + v.split())) for v in args.variant] or [("", base)]
 
@@ -67,6 +73,12 @@ def main(argv=None):
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         rows.append(row)
         write_json(args.json, command, flags, rows)
+        if args.profile and "error" not in row and not any("breakdown" in r for r in rows):
+            try:
+                row["breakdown"] = profile_steps(config, layout, args.profile_steps, Path(args.profile))
+            except Exception as e:  # noqa: BLE001 - the timing stands; the profile's failure is reported
+                row["breakdown_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            write_json(args.json, command, flags, rows)
     rows.sort(key=lambda r: -r.get("tokens_per_s", -1.0))
     device = jax.devices()[0]
     print(f"$ {command}")
@@ -89,8 +101,42 @@ def main(argv=None):
             f"{r['label'] or '-':<14} {r['variant']:<44} {r['kernels']:<18} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.3f} "
             f"{mfu:>6} {r['step_s']:8.4f} {r['compile_s']:9.1f} {r['loss']:8.4f}"
         )
+    for r in rows:
+        if "breakdown" in r:
+            print(format_table(Breakdown.from_dict(r["breakdown"])))
+        elif "breakdown_error" in r:
+            print(f"profile of {r['variant']} failed: {r['breakdown_error']}")
     write_json(args.json, command, flags, rows)
-    return 0
+    return 1 if any("error" in r or "breakdown_error" in r for r in rows) else 0
+
+
+def profile_steps(config, layout, steps: int, out: Path) -> dict:
+    """Trace `steps` train steps (after one untraced) into `out`, with the program's HLO beside the
+    trace; the breakdown of their device time, as a dict (trace_breakdown.Breakdown.as_dict)."""
+    import numpy as np
+
+    programs = build_programs(config, layout)
+    compiled = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config)).lower().compile()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "program.hlo.txt").write_text(compiled.as_text())
+    state = programs.init(jax.random.key(config.train.seed))
+    t = config.train
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32)
+    tokens = jax.device_put(batch, programs.batch_sharding)
+    state, metrics = compiled(state, tokens)
+    jax.block_until_ready((state, metrics))
+    jax.profiler.start_trace(str(out))
+    try:
+        for _ in range(steps):
+            state, metrics = compiled(state, tokens)
+        jax.block_until_ready((state, metrics))
+    finally:
+        jax.profiler.stop_trace()
+    flops = model_flops_by_class(config.model, t.seq_len, t.batch_size * t.seq_len / layout.mesh.size)
+    breakdown = profile_breakdown(out, steps=steps, flops=flops)
+    (out / "breakdown.json").write_text(json.dumps(breakdown.as_dict(), indent=1))
+    return breakdown.as_dict()
 
 
 def write_json(path, command, flags, rows):

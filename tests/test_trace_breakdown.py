@@ -148,3 +148,28 @@ def test_a_trace_recorded_on_the_cpu(tmp_path):
             end = max(end, stop)
     assert sum(r.kernel_s for r in b.rows) * b.steps == pytest.approx(covered * 1e-6, rel=1e-6)
     assert sum(r.kernels for r in b.rows) * b.steps == len(events)
+
+
+def test_a_training_run_prints_where_its_profiled_steps_went(tmp_path):
+    """`python -m maxmoe.train ... run.profile_steps=[1,2]`: the breakdown of the two traced steps
+    on the console and in profile/breakdown.json, the compiled program beside the trace."""
+    run_dir = tmp_path / "run"
+    overrides = ["model.num_layers=2", "model.mtp_num_layers=0", "train.steps=3", "train.batch_size=2"]
+    overrides += ["train.seq_len=32", "run.cpu_devices=1", f"run.dir={run_dir}", "run.profile_steps=[1,2]"]
+    result = subprocess.run(
+        [sys.executable, "-m", "maxmoe.train", "--config", str(REPO / "configs/tiny.yaml"), *overrides],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "where the step's time goes: /host:CPU, jit_train_step, 2 step(s)" in out, out[-3000:]
+    for label in ("grouped GEMM", "attention backward", "idle gaps"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+    saved = tb.Breakdown.from_dict(json.loads((run_dir / "profile/breakdown.json").read_text()))
+    assert (run_dir / "profile/program.hlo.txt").exists() and saved.steps == 2
+    assert saved.row("grouped_gemm").kernels > 0 and saved.row("attention_fwd").kernels > 0
+    assert saved.row("dense_gemm").tflops > 0  # model FLOPs over the dense GEMMs' own time

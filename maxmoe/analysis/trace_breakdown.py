@@ -110,6 +110,13 @@ class Breakdown:
         rows = [{**dataclasses.asdict(r), "label": r.label} for r in self.rows]
         return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}, "rows": rows}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Breakdown:
+        """The Breakdown `as_dict` wrote."""
+        fields = {f.name for f in dataclasses.fields(Row)}
+        rows = tuple(Row(**{k: v for k, v in r.items() if k in fields}) for r in d["rows"])
+        return cls(**{**{k: v for k, v in d.items() if k != "rows"}, "rows": rows})
+
 
 # ---------------------------------------------------------------------------------------
 # Reading
@@ -455,10 +462,10 @@ def format_table(b: Breakdown) -> str:
     for r in b.rows:
         kernels = f"{r.kernels:.0f}" if r.key != "idle" else "-"
         own = f"{r.kernel_s * 1e3:.2f}" if r.key != "idle" else "-"
-        rate = f"{r.tflops:.1f}" if r.tflops is not None else "-"
+        rate = f"{r.tflops:.4g}" if r.tflops is not None else "-"
         lines.append(f"{r.label:<22} {kernels:>8} {own:>9} {r.wall_s * 1e3:9.2f} {r.share:7.1%} {rate:>8}")
     total_flops = sum(r.flops or 0.0 for r in b.rows)
-    rate = f"{total_flops / b.step_s / 1e12:.1f}" if total_flops and b.step_s else "-"
+    rate = f"{total_flops / b.step_s / 1e12:.4g}" if total_flops and b.step_s else "-"
     lines.append(f"{'step':<22} {'':>8} {'':>9} {b.step_s * 1e3:9.2f} {1:7.1%} {rate:>8}")
     return "\n".join(lines)
 

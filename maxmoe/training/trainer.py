@@ -23,7 +23,9 @@ a step whose loss, gradient norm or update is not finite leaves the state as it 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -35,6 +37,7 @@ import numpy as np
 
 from maxmoe import data, runtime, xla_flags
 from maxmoe.analysis.flops import flops_per_token, mfu, peak_tflops
+from maxmoe.analysis.trace_breakdown import format_table, model_flops_by_class, profile_breakdown
 from maxmoe.config import Config, UserError
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training import checkpoint
@@ -304,8 +307,10 @@ class Trainer:
         SIGTERM/SIGINT or after train.max_bad_steps non-finite steps in a row (see `stop_reason`).
         """
         self._check_open()
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0):
+            raise UserError(f"run(steps={steps!r:.80}): expected a number of steps (an integer >= 0) or None")
         t = self.config.train
-        end = t.steps if steps is None else min(t.steps, self.step + max(steps, 0))
+        end = t.steps if steps is None else min(t.steps, self.step + int(steps))
         first_record = len(self.history)
         self.stop_reason = None
         profile, run_dir = self.config.run.profile_steps, self.run_dir
@@ -319,14 +324,17 @@ class Trainer:
             last_time, last_step, paused = time.perf_counter(), self.step, 0.0
             while self.step < end:
                 if profile and self.step == profile[0]:
+                    jax.block_until_ready(self.state)  # the trace holds the traced steps' kernels only
                     jax.profiler.start_trace(str(run_dir / "profile"))
                     self._tracing = True
                 self.state, metrics = self._train_step(self.state, self._next_batch())
                 self.step += 1
                 step = self.step
                 if self._tracing and step == profile[1] + 1:
+                    jax.block_until_ready((self.state, metrics))
                     jax.profiler.stop_trace()
                     self._tracing = False
+                    self._report_profile(profile)
                 if step % t.log_every == 0 or step == t.steps:
                     jax.block_until_ready(metrics)  # the step's time to completion, not to dispatch
                     seconds = self._count("training", last_time + paused)
@@ -376,6 +384,23 @@ class Trainer:
         seconds = time.perf_counter() - start
         self._seconds[part] += seconds
         return seconds
+
+    def _report_profile(self, profile) -> None:
+        """Where the traced steps' device time went, by kernel class (maxmoe.analysis.trace_breakdown):
+        on the console and in profile/breakdown.json, the compiled program beside the trace."""
+        if not self.is_main:
+            return
+        out, t = self.run_dir / "profile", self.config.train
+        try:
+            (out / "program.hlo.txt").write_text(self._train_step.as_text())
+            flops = model_flops_by_class(self.config.model, t.seq_len, t.batch_size * t.seq_len / len(self.devices))
+            breakdown = profile_breakdown(out, steps=profile[1] - profile[0] + 1, flops=flops)
+            (out / "breakdown.json").write_text(json.dumps(breakdown.as_dict(), indent=1))
+        except (UserError, OSError) as e:
+            self._say(f"maxmoe: the trace in {out} was written; its breakdown could not be read ({e})")
+            return
+        for line in format_table(breakdown).splitlines():
+            self._say(line)
 
     @contextlib.contextmanager
     def _trace_closed(self):
@@ -519,10 +544,11 @@ def summary(trainer: Trainer) -> list[str]:
         lines.append("maxmoe: next: the same command again resumes from the last checkpoint")
     prompt = "def main(" if trainer.config.data.kind == "stdlib" else "The"
     lines.append(
-        f'maxmoe: next: {python} -m maxmoe.generate --run {run_dir} --prompt "{prompt}" '
+        f'maxmoe: next: {python} -m maxmoe.generate --run {shlex.quote(str(run_dir))} --prompt "{prompt}" '
         f"--max-new-tokens 120 --temperature 0.6 --top-k 5"
     )
-    lines.append(f"maxmoe:       {python} -m maxmoe.report {run_dir}    # writes {run_dir / 'report.png'}")
+    quoted = shlex.quote(str(run_dir))  # a run.dir with spaces or quotes: the command still runs as shown
+    lines.append(f"maxmoe:       {python} -m maxmoe.report {quoted}    # writes {run_dir / 'report.png'}")
     return lines
 
 
