@@ -40,14 +40,14 @@ def test_a_class_set_by_hand_changes_only_its_own_time(tmp_path, capsys):
     """--assume compute_efficiency.attention_core=0.075 on the shipped plan. The core's executed
     FLOPs per GPU, by hand: 3 x 4096 x 128 x (192 + 128) per token and attention block, 62
     blocks (61 layers and MTP); save_moe runs the 61 scanned layers' core forward again (a third
-    of that); Triton pads v to 192: x (192 + 192) / (192 + 128) = 1.2; 15,360 x 4,096 tokens over
-    256 GPUs. At 0.075 of GB300's 2,500 TFLOP/s bf16 peak that takes core / 187.5e12 s; the step
+    of that); Triton pads v to 192 and both head dims to 256: x (256 + 256) / (192 + 128) = 1.6;
+    15,360 x 4,096 tokens over 256 GPUs. At 0.075 of GB300's 2,500 TFLOP/s bf16 peak that takes core / 187.5e12 s; the step
     grows by that less the calibrated time, and nothing else moves."""
     base = replan(tmp_path)
     hand = replan(tmp_path, "--assume", "compute_efficiency.attention_core=0.075")
     capsys.readouterr()
     per_token = 3 * 4096 * 128 * 320 * 62 + 4096 * 128 * 320 * 61
-    core = per_token * 1.2 * 15360 * 4096 / 256
+    core = per_token * 1.6 * 15360 * 4096 / 256
     rows = {r["name"]: r for r in hand["compute"]}
     assert rows["attention_core"]["executed_flops"] == pytest.approx(core, rel=1e-12)
     assert rows["attention_core"]["seconds"] == pytest.approx(core / (2500e12 * 0.075), rel=1e-12)
@@ -157,6 +157,11 @@ def test_each_class_takes_its_kernels_rate_and_says_from_where(rates):
         and status == "uncalibrated"
         and "attention_core/chunked/bf16 stands in" in source
     )
+    # XLA's ragged_dot: the dense GEMM stands in; at the other precision's peak, at the same speed.
+    ragged = row("routed_experts", "grouped_gemm", "ragged_dot", "mxfp8", dims=(("groups", 4),))
+    assert efficiency(ragged, H200, rates)[:2] == (pytest.approx(700 / 989.4), "uncalibrated")
+    at_fp8 = efficiency(row("routed_experts", "grouped_gemm", "ragged_dot", "mxfp8", "fp8"), H200, rates)[0]
+    assert at_fp8 * 1978.9 == pytest.approx(700)
     e, status, source = efficiency(row("routed_experts", "grouped_gemm", "mosaic_gpu"), H200, rates)
     assert e == 0.5 and status == "uncalibrated" and "planner default 0.5" in source
     # By hand: a class name, else its kernel class; a uniform efficiency marks itself a sensitivity.

@@ -102,12 +102,13 @@ def test_the_chunked_loss_projects_the_head_again():
 
 @pytest.mark.parametrize(
     "attention, factor",
-    [("triton", 384 / 320), ("cudnn", 384 / 320), ("tokamax", 1.0), ("chunked", 9 / 8), ("xla", 2.0)],
+    [("triton", 512 / 320), ("cudnn", 1.0), ("tokamax", 1.0), ("chunked", 9 / 8), ("xla", 2.0)],
 )
 def test_the_attention_core_is_charged_what_its_kernel_runs(attention, factor):
-    """Charging error 5: Triton and cuDNN pad v from 128 to the qk head dim 192: (192 + 192) /
-    (192 + 128) = 1.2 x the causal FLOPs; tokamax takes v as it is; XLA's chunked core runs the 8
-    diagonal blocks of 512 whole (9/8); XLA's attention every score (2 x)."""
+    """Charging error 5: Triton pads v from 128 to the qk head dim 192 and both to 256 (a power
+    of two; maxmoe.kernels.attention): (256 + 256) / (192 + 128) = 1.6 x the causal FLOPs; cuDNN
+    and tokamax take v as it is; XLA's chunked core runs the 8 diagonal blocks of 512 whole (9/8);
+    XLA's attention every score (2 x)."""
     config = load_config(GB300_256, [f"model.attention={attention}"])
     core = rows_of(config)["attention_core"]
     useful = 3 * T * H * 320 * 62 + T * H * 320 * 61  # 62 blocks; save_moe runs 61 forward again

@@ -7,7 +7,8 @@ source), first of: `--assume compute_efficiency.CLASS` (the row's class, else it
 ("measured") or on another ("carried": its fraction of that device's peak, a named assumption);
 a rate of the kernel's stand-in (STAND_IN) ("uncalibrated", the source names it); else
 DEFAULT_EFFICIENCY ("uncalibrated"). A rate's efficiency: its TFLOP/s x the kernel's overhead at
-the measured dims (`overhead`: executed over useful FLOPs) over the peak it ran at. Of several
+the measured dims (`overhead`: executed over useful FLOPs) over the peak it ran at (a stand-in
+at the other precision's peak: that fraction of that peak, over the row's). Of several
 rates of one kernel, fwd+bwd before fwd (a step runs both), then the nearest shape (least sum of
 |log ratio| over the dims both name), then this system's.
 """
@@ -31,7 +32,8 @@ def stand_in(kernel_class: str, backend: str, precision: str) -> tuple[tuple[str
     if kernel_class == "attention_core" and backend not in ("chunked", "xla"):
         return ("attention_core", "chunked", "bf16"), FLASH
     if kernel_class == "grouped_gemm" and backend == "ragged_dot":
-        return ("dense_gemm", "xla", "bf16"), "XLA rewrites ragged_dot as a dense GEMM per group"
+        dense = "bf16" if precision in ("bf16", "mxfp8") else precision  # mxfp8: its rounded values in bf16
+        return ("dense_gemm", "xla", dense), "XLA rewrites ragged_dot as a dense GEMM per group"
     if kernel_class == "grouped_gemm" and backend == "tokamax":
         return ("grouped_gemm", "mosaic_gpu", precision), "tokamax's grouped GEMM: a Mosaic GPU ragged dot"
     if kernel_class == "grouped_gemm" and precision == "mxfp8":
@@ -47,8 +49,8 @@ def overhead(kernel_class: str, backend: str, dims: dict) -> float:
     """Executed over useful FLOPs of a kernel at `dims` (maxmoe.analysis.charging's table)."""
     if kernel_class == "attention_core":
         qk, v = dims.get("qk", 192), dims.get("v", 128)
-        if backend in ("triton", "cudnn"):
-            return 2.0 * qk / (qk + v)
+        if backend == "triton":  # v padded to qk, both to a power of two (maxmoe.kernels.attention)
+            return 2.0 * 2 ** math.ceil(math.log2(qk)) / (qk + v)
         if backend == "xla":
             return 2.0
         if backend == "chunked":
@@ -66,11 +68,21 @@ def runs_fp8(kernel_class: str, precision: str, arch: str) -> bool:
     return precision != "bf16" and gemm in fp8_gemm_classes(precision, arch)
 
 
+def rate_peak(rate: Rate) -> str:
+    """The peak the measured kernel ran at on its device: "fp8" or "bf16"."""
+    return "fp8" if runs_fp8(rate.kernel_class, rate.precision, SYSTEMS[rate.system].arch) else "bf16"
+
+
 def rate_efficiency(rate: Rate) -> float:
     """The measured rate as a fraction of its device's peak on executed FLOPs."""
-    system = SYSTEMS[rate.system]
-    peak = system.peak_tflops("fp8" if runs_fp8(rate.kernel_class, rate.precision, system.arch) else "bf16")
+    peak = SYSTEMS[rate.system].peak_tflops(rate_peak(rate))
     return rate.tflops * overhead(rate.kernel_class, rate.backend, dict(rate.dims)) / peak
+
+
+def _for_row(rate: Rate, row, system: System) -> float:
+    """The rate as a fraction of the row's peak on `system`: the same fraction of the peak it ran at
+    there, over the row's (they differ only where a stand-in runs at the other precision's peak)."""
+    return rate_efficiency(rate) * system.peak_tflops(rate_peak(rate)) / system.peak_tflops(row.peak)
 
 
 def _distance(rate: Rate, dims: dict) -> float:
@@ -118,9 +130,9 @@ def calibrated(row, system: System, path: str) -> tuple[float, str, str]:
         if rate is not None and not notes:
             status = "measured" if rate.system == system.name else "carried"
             carried = "" if status == "measured" else f" (carried to {system.name}: the same fraction of its peak)"
-            return rate_efficiency(rate), status, f"measured: {_describe(rate)}{carried}"
+            return _for_row(rate, row, system), status, f"measured: {_describe(rate)}{carried}"
         if rate is not None:
-            return rate_efficiency(rate), "uncalibrated", f"{'; '.join(notes)}: {_describe(rate)}"
+            return _for_row(rate, row, system), "uncalibrated", f"{'; '.join(notes)}: {_describe(rate)}"
         nearest = stand_in(*key)
         if nearest is None:
             break

@@ -9,10 +9,10 @@ moves) x the kernel's overhead. The kernel is what `auto` resolves to for the sy
 kind (maxmoe.kernels.choice, as this installation resolves it) or the one the config names;
 precision is bf16 or the model.fp8 recipe for the classes it covers, run at the FP8 peak where
 flops.fp8_gemm_classes says FP8 GEMMs run there. Overhead, executed over useful FLOPs: XLA's
-ragged_dot G (a dense GEMM per local expert over all rows); Triton and cuDNN attention
-2 qk / (qk + v) (v padded to the qk head dim); XLA's attention 2 (every score, then the causal
-mask); the chunked core (n + 1) / n over n blocks (diagonal blocks whole); capacity dispatch its
-capacity factor.
+ragged_dot G (a dense GEMM per local expert over all rows); Triton attention 2 x 2^ceil(log2 qk)
+/ (qk + v) (v padded to qk, both to a power of two: 1.6 for MLA); XLA's attention 2 (every
+score, then the causal mask); the chunked core (n + 1) / n over n blocks (diagonal blocks whole);
+capacity dispatch its capacity factor; cuDNN (v at its own head dim) and tokamax none.
 """
 
 from __future__ import annotations
