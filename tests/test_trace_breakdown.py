@@ -173,3 +173,37 @@ def test_a_training_run_prints_where_its_profiled_steps_went(tmp_path):
     assert (run_dir / "profile/program.hlo.txt").exists() and saved.steps == 2
     assert saved.row("grouped_gemm").kernels > 0 and saved.row("attention_fwd").kernels > 0
     assert saved.row("dense_gemm").tflops > 0  # model FLOPs over the dense GEMMs' own time
+
+
+COMMAND_BUFFER_HLO = """HloModule jit_train_step
+
+%fused_transpose (p: f32[4,8]) -> f32[8,4] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %t = f32[8,4]{1,0} transpose(%p), dimensions={1,0}, metadata={op_name="jit(step)/jvp(m)/transpose"}
+}
+
+%command_buffer (a: f32[4,8]) -> f32[8,4] {
+  %a = f32[4,8]{1,0} parameter(0)
+  ROOT %loop_transpose_fusion.2 = f32[8,4]{1,0} fusion(%a), kind=kLoop, calls=%fused_transpose
+}
+
+ENTRY %main (x: f32[4,8]) -> f32[8,4] {
+  %x = f32[4,8]{1,0} parameter(0)
+  ROOT %call.1 = f32[8,4]{1,0} call(%x), to_apply=%command_buffer
+}
+"""
+
+
+def test_a_kernel_inside_a_command_buffer_is_classed_by_its_own_name():
+    """In a CUDA graph every kernel carries the buffer's HLO op (call.1); the kernel's name is its
+    instruction's (loop_transpose_fusion.2, a transpose): a copy, not another fusion."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Kernel)"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 0.0, "dur": 10.0, "name": "loop_transpose_fusion_2",
+         "args": {"hlo_op": "call.1", "hlo_module": "jit_train_step"}},
+    ]  # fmt: skip
+    trace = {"traceEvents": events}
+    assert tb.breakdown(trace).row("other").kernels == 1  # without the program: the HLO op's name says nothing
+    b = tb.breakdown(trace, hlo_text=COMMAND_BUFFER_HLO)
+    assert b.row("copy").kernels == 1 and b.row("copy").kernel_s == pytest.approx(10e-6)

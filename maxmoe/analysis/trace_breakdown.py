@@ -254,12 +254,11 @@ def hlo_ops(hlo_text: str) -> dict[str, HloOp]:
     return ops
 
 
-def kernel_instruction(kernel: str, ops: dict[str, HloOp]) -> str:
-    """The instruction an XLA:GPU kernel is named after ('loop_add_fusion_3' for 'loop_add_fusion.3'), or ''."""
-    for name in (kernel, re.sub(r"_(\d+)$", r".\1", kernel)):
-        if name in ops:
-            return name
-    return ""
+def kernel_names(ops: dict[str, HloOp]) -> dict[str, str]:
+    """Instruction names by the name XLA:GPU gives the kernel it emits for one ('.' and '-' as '_':
+    loop_add_fusion_3 for loop_add_fusion.3); kernels inside a command buffer (a CUDA graph) carry
+    the buffer's HLO op, so their own name is what says which instruction they run."""
+    return {re.sub(r"[.\-]", "_", name): name for name in ops}
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,9 +392,10 @@ def _is_run(e: dict, module: str) -> bool:
 def _sweep(events: list[Event], ops: dict[str, HloOp]):
     """Per class: own time (us, innermost on its line), wall time (us, split among the lines
     running at each instant; "idle" where none runs) and event count."""
+    by_kernel = kernel_names(ops)
     classes = []
     for e in events:
-        op = ops.get(e.hlo_op) or ops.get(kernel_instruction(e.kernel, ops)) if ops else None
+        op = ops.get(by_kernel.get(e.kernel, e.kernel)) or ops.get(e.hlo_op)
         classes.append(classify(e, op))
     points = []
     for i, e in enumerate(events):
