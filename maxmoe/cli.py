@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable
@@ -82,6 +84,14 @@ def config_from_args(args: argparse.Namespace, resolve: Callable[[Config], Confi
     return config
 
 
+def path_argument(text: str) -> str:
+    """An argparse `type` for a file or folder: an empty string (which a Path reads as the current
+    folder) is refused as `argument --x: an empty path`."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a file or folder")
+    return text
+
+
 def check_new_folder(out: Path, flag: str = "--out", *, empty_ok: bool = True) -> None:
     """UserError unless `out` is new (or, with `empty_ok`, an empty folder) and a folder can be made there.
 
@@ -121,15 +131,62 @@ def check_output_file(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
 
 
+def backend_failure(error: BaseException) -> str | None:
+    """The one line for jax failing to start a backend (JAX_PLATFORMS naming one this machine
+    lacks: jax raises a RuntimeError, or for cuda without its plugin an AssertionError), else None."""
+    if not isinstance(error, (RuntimeError, AssertionError)) or "jax" not in sys.modules:
+        return None
+    import jax  # imported already: the error came from it
+
+    try:  # asked again: a backend that cannot start fails again, any other error was something else
+        jax.devices()
+        return None
+    except (RuntimeError, AssertionError) as again:
+        error = again if str(again).strip() else error
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    named = f"JAX_PLATFORMS={platforms}" if platforms else "its default backend"
+    detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else "no such backend here"
+    return (
+        f"jax cannot start {named} on this machine ({detail}); unset JAX_PLATFORMS to use the devices "
+        f"this machine has, or install jax for that platform (e.g. pip install 'jax[cuda12]')"
+    )
+
+
+_FLAG = re.compile(r"--[A-Za-z_][A-Za-z0-9_]*(=.*)?", re.DOTALL)
+
+
+def check_xla_flags_environment() -> None:
+    """UserError when $XLA_FLAGS holds a word that is not a flag (`--name` or `--name=value`):
+    XLA would abort the process with its usage text when the backend starts."""
+    text = os.environ.get("XLA_FLAGS", "")
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        raise UserError(f"XLA_FLAGS={text[:80]!r}: a quote is not closed; fix or unset XLA_FLAGS") from None
+    bad = next((word for word in words if not _FLAG.fullmatch(word)), None)
+    if bad is not None:
+        raise UserError(
+            f"XLA_FLAGS: {bad[:80]!r} is not an XLA flag (expected --xla_name=value); fix or unset XLA_FLAGS"
+        )
+
+
 def main_guard(fn: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap an entry point: user errors become one line on stderr and exit status 2."""
+    """Wrap an entry point: user errors (and a backend jax cannot start) become one line on stderr
+    and exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> int:
         try:
+            check_xla_flags_environment()
             return fn(*args, **kwargs) or 0
         except UserError as e:
             print(f"maxmoe: error: {e}", file=sys.stderr)
+            return 2
+        except (RuntimeError, AssertionError) as e:
+            line = backend_failure(e)
+            if line is None:
+                raise
+            print(f"maxmoe: error: {line}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("maxmoe: interrupted", file=sys.stderr)

@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from maxmoe import runtime
-from maxmoe.cli import _Parser, exit_with, main_guard
+from maxmoe.cli import _Parser, exit_with, main_guard, path_argument
 from maxmoe.config import ConfigError, ModelConfig, UserError, load_config
 from maxmoe.convert.hf import load_pretrained
 from maxmoe.data import EOS_ID, byte_tokens, data_folders, decode_bytes, read_meta
@@ -143,8 +143,16 @@ def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """UserError for settings outside their ranges."""
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int = 0) -> None:
+    """UserError for settings of the wrong type or outside their ranges (the command line's and the API's)."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise UserError(f"{name}={value!r:.80}: expected an integer")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise UserError(f"{name}={value!r:.80}: expected a number")
+    if not 0 <= seed < 2**32:  # jax.random.key keeps 32 bits: larger seeds repeat smaller ones
+        raise UserError(f"seed={seed}: expected 0 to {2**32 - 1}")
     if max_new_tokens < 0:
         raise UserError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     if not np.isfinite(temperature) or temperature < 0:
@@ -189,7 +197,7 @@ def generate(
     value). The token that lands at sequence position i is drawn with
     `jax.random.fold_in(jax.random.key(seed), i)`, so the same arguments give the same tokens.
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     if isinstance(prompt, (str, bytes)) or not all(
         isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt
     ):
@@ -256,8 +264,15 @@ def _quiet_absl():
 def build_parser() -> _Parser:
     parser = _Parser(prog="python -m maxmoe.generate", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", metavar="RUN_DIR", help="a training run folder (latest checkpoint, config.yaml)")
-    source.add_argument("--checkpoint", metavar="DIR", help="a converted checkpoint folder (from-hf) or an HF folder")
+    source.add_argument(
+        "--run", type=path_argument, metavar="RUN_DIR", help="a training run folder (latest checkpoint, config.yaml)"
+    )
+    source.add_argument(
+        "--checkpoint",
+        type=path_argument,
+        metavar="DIR",
+        help="a converted checkpoint folder (from-hf) or an HF folder",
+    )
     parser.add_argument("--prompt", required=True, help="text to continue (byte-level models: its UTF-8 bytes)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

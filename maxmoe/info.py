@@ -21,6 +21,7 @@ from maxmoe.analysis.flops import count_params, flops_per_token
 from maxmoe.analysis.hlo import count_collectives
 from maxmoe.analysis.lowering import lower_train_step, stage_spans
 from maxmoe.cli import config_from_args, main_guard, make_parser
+from maxmoe.config import UserError
 from maxmoe.data import resolve_vocab_size
 
 PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")  # jax's platform names ('gpu' is cuda here)
@@ -31,6 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--check" in argv:  # the on-device kernel check needs no config: its own arguments follow
         from maxmoe import check
+
+        config_words = ("--config", "--print-config")
+        given = [a for a in argv if a.split("=", 1)[0] in config_words or ("=" in a and not a.startswith("-"))]
+        if given:
+            raise UserError(
+                f"--check checks this device's kernels and reads no config: drop {given[0]} "
+                f"(and the other config arguments); see python -m maxmoe.check --help"
+            )
 
         return check.main([a for a in argv if a != "--check"])
     parser = make_parser("python -m maxmoe.info", __doc__.splitlines()[0])

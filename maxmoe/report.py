@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 from maxmoe.analysis.flops import count_params
-from maxmoe.cli import _Parser, check_output_file, main_guard
+from maxmoe.cli import _Parser, check_output_file, main_guard, path_argument
 from maxmoe.config import ConfigError, UserError, build_model_config, read_named_file
 from maxmoe.training.progress import format_duration
 
@@ -36,36 +36,53 @@ LAYER_IMBALANCE_KEY = "moe_layer_imbalance"  # per-layer max/mean load lists in 
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of run_dir/metrics.jsonl (lines cut short by a crash are skipped)."""
+    """The records of run_dir/metrics.jsonl.
+
+    A damaged line (not UTF-8, not a JSON record with an integer step) is skipped, and one
+    warning line on stderr says how many and which: the report draws what is readable, where
+    training (which appends to the file) refuses such a file. A last line cut short by a crash
+    is skipped without a word, as a resumed run drops it.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not Path(run_dir).is_dir():
         raise UserError(f"{run_dir}: no such run folder")
     missing = ": not a training run folder, or no step was logged yet"
-    # A damaged line is skipped, not fatal.
-    text = read_named_file(path, "metrics", missing=missing).decode("utf-8", errors="replace")
-    records = []
-    for line in text.splitlines():
+    records, damaged = [], []
+    lines = read_named_file(path, "metrics", missing=missing).splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    for number, raw in enumerate(lines, 1):
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            continue
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            record = None
         step = record.get("step") if isinstance(record, dict) else None
         if isinstance(step, int) and not isinstance(step, bool):
             records.append(record)
+        elif raw.strip() and number < len(lines):
+            damaged.append(number)
     if not records:
         raise UserError(f"{path} holds no metrics records")
+    if damaged:
+        which = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        plural = "s" if len(damaged) > 1 else ""
+        print(
+            f"maxmoe: warning: {path}: skipped {len(damaged)} damaged line{plural} (line{plural} {which})",
+            file=sys.stderr,
+        )
     return records
 
 
 def _run_config(run_dir: Path | None) -> dict:
-    """The run's config.yaml as a dict ({} when absent or unreadable: the report draws without it)."""
+    """The run's config.yaml as {section: mapping} (sections of another kind left out; {} when absent
+    or unreadable: the report draws without it)."""
     if run_dir is None or not (Path(run_dir) / "config.yaml").is_file():
         return {}
     try:
-        raw = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
-    except yaml.YAMLError:
+        raw = yaml.safe_load((Path(run_dir) / "config.yaml").read_bytes().decode("utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError):
         return {}
-    return raw if isinstance(raw, dict) else {}
+    return {k: v for k, v in raw.items() if isinstance(v, dict)} if isinstance(raw, dict) else {}
 
 
 def run_summary(records: Sequence[dict], config: dict) -> str:
@@ -248,8 +265,10 @@ def write_report(source: Any, out: str | Path | None = None, **kwargs) -> Path:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m maxmoe.report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run folder (holds metrics.jsonl)")
-    parser.add_argument("--out", default=None, metavar="PNG", help="default: RUN_DIR/report.png")
+    parser.add_argument(
+        "run_dir", type=path_argument, metavar="RUN_DIR", help="a training run folder (holds metrics.jsonl)"
+    )
+    parser.add_argument("--out", type=path_argument, default=None, metavar="PNG", help="default: RUN_DIR/report.png")
     args = parser.parse_args(argv)
     if args.out:
         check_output_file(Path(args.out), "--out")

@@ -19,12 +19,14 @@ pre-backend step outside this module.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from maxmoe import distributed, xla_flags
+from maxmoe.cli import backend_failure, check_xla_flags_environment
 from maxmoe.config import MAX_CPU_DEVICES, Config, UserError
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -110,12 +112,23 @@ def setup(config: Config, *, distributed_init: bool = True) -> list[str]:
 
     Returns the effective XLA flags (see `maxmoe.xla_flags.apply`). `distributed_init=False`
     skips jax.distributed (single-process tools that run beside a launcher's environment).
+    The backend starts last: one jax cannot start (JAX_PLATFORMS=cuda on a CPU machine) is a
+    UserError line.
     """
+    if not xla_flags.backends_initialised():
+        check_xla_flags_environment()  # XLA would abort on a word that is not a flag
     set_host_device_count(config.run.cpu_devices)
     use_compile_cache(config.run.compile_cache)
     flags = xla_flags.apply(config)
     if distributed_init:
         distributed.initialize(config.dist)
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        line = backend_failure(e)
+        if line is None:
+            raise
+        raise UserError(line) from None
     return flags
 
 
@@ -160,7 +173,25 @@ def use_compile_cache(setting: str = "auto") -> Path | None:
         compilation_cache.reset_cache()  # jax opens its cache once: one opened earlier (a notebook) is let go
         for name, value in wanted.items():
             jax.config.update(name, value)
+    if "jax_compilation_cache_max_size" in wanted:
+        _adopt_orphans(path)
     return path
+
+
+def _adopt_orphans(path: Path) -> None:
+    """Give each cached program without its access-time file one, dated now.
+
+    jax's size-limited cache reads every entry's access time before it adds one, and adds
+    nothing while one is missing; a process killed between writing a program and its access
+    time (or one writing without a size limit) leaves such an entry.
+    """
+    try:
+        for entry in path.glob("*-cache"):
+            atime = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
+            if not atime.exists():
+                atime.write_bytes(time.time_ns().to_bytes(8, "little"))
+    except OSError:
+        pass  # an unreadable cache folder: jax says so when it uses it
 
 
 def _has_filelock() -> bool:

@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--hbm-gb and --steps must be positive (finite), --warmup non-negative"
         )
     columns = parse_columns(args.columns)
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--write-config", args.write_config)):
         if path:
             check_output_file(Path(path), flag)  # before the sweep, not after it
     meshes = [parse_mesh(m) for m in args.mesh] or None
@@ -523,7 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     if args.write_config:
-        print(f"wrote {write_winner(config, report['results'], args.write_config)} to {args.write_config}")
+        try:
+            print(f"wrote {write_winner(config, report['results'], args.write_config)} to {args.write_config}")
+        except OSError as e:  # checked before the sweep; the disk can still fill meanwhile
+            raise UserError(f"--write-config {args.write_config}: cannot write it ({e.strerror or e})") from None
     _plot_to(args.plot, report["results"], args.dry_run, args.hbm_gb)
     return 0
 

@@ -352,7 +352,8 @@ def test_consecutive_bad_steps_stop_the_run_with_one_line_and_a_checkpoint(strai
     # Steps 1 and 2 are bad; the loop notices while step 3 is in flight and saves it.
     assert lines[0] == (
         f"maxmoe: stopping: 2 consecutive steps had a non-finite loss or gradient norm and were "
-        f"skipped; the last good parameters are saved as step 3 in {tmp_path / 'run' / 'checkpoints'}"
+        f"skipped; step 3 in {tmp_path / 'run' / 'checkpoints'} holds the parameters from before them; "
+        f"no step saved before them has trained cleanly"
     )
     assert complete_steps(tmp_path / "run") == [3]
     assert [x["skipped_steps"] for x in records(tmp_path / "run")] == [1, 2, 3]

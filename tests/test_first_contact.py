@@ -25,7 +25,8 @@ from maxmoe import Trainer
 from maxmoe.config import UserError, load_config
 from maxmoe.data import EOS_ID, data_folders, load_tokens, make_dataset, read_meta
 from maxmoe.data.__main__ import main as data_main
-from maxmoe.data.text_cache import token_folder_for
+from maxmoe.data.documents import read_documents
+from maxmoe.data.text_cache import input_files, token_folder_for
 from maxmoe.train import main as train_main
 from maxmoe.training import trainer as trainer_lib
 
@@ -111,6 +112,37 @@ def test_tokenising_shows_progress(tmp_path, capsys, monkeypatch):
         f"maxmoe:   {10 * n:,} tokens, {n} {'document' if n == 1 else 'documents'}, file {1 + (n - 1) // 2} of 2"
         for n in range(1, 5)
     ]
+
+
+def test_a_path_that_exists_is_that_file_and_globs_follow_each_folder_once(tmp_path):
+    (tmp_path / "book[1].txt").write_text("the book with brackets")
+    (tmp_path / "book1.txt").write_text("another book")
+    assert input_files(str(tmp_path / "book[1].txt")) == [str(tmp_path / "book[1].txt")]
+    assert input_files(str(tmp_path / "book[12].txt")) == [str(tmp_path / "book1.txt")]  # no such file: a glob
+    corpus, other = tmp_path / "corpus", tmp_path / "other"
+    (corpus / "sub").mkdir(parents=True)
+    other.mkdir()
+    for path in (corpus / "b.txt", corpus / "sub" / "a.txt", other / "c.txt"):
+        path.write_text(path.stem)
+    (corpus / "sub" / "loop").symlink_to(corpus)  # a loop back to the top
+    (corpus / "link").symlink_to(other)  # a linked folder: read once
+    expected = [str(corpus / "b.txt"), str(corpus / "link" / "c.txt"), str(corpus / "sub" / "a.txt")]
+    assert input_files(str(corpus / "**" / "*.txt")) == expected
+    assert input_files(str(corpus)) == expected
+
+
+def test_jsonl_text_is_read_as_written_or_refused(tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9"}\n{"text": "b"}\n')
+    assert [text for _, text in read_documents(str(bom))] == ["caf\u00e9", "b"]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin.jsonl:2: not UTF-8 text"):
+        list(read_documents(str(latin)))
+    packed = tmp_path / "latin.jsonl.gz"
+    packed.write_bytes(gzip.compress(latin.read_bytes()))
+    with pytest.raises(UserError, match=r"latin.jsonl.gz:2: not UTF-8 text"):
+        list(read_documents(str(packed)))
 
 
 @pytest.mark.smoke

@@ -485,6 +485,14 @@ def test_a_closed_trainer_touches_nothing(saved_run):
         other.close()
 
 
+def test_trainer_run_takes_a_number_of_steps_or_none(saved_run):
+    with resume(saved_run, **{"train.steps": 4}) as trainer:
+        for steps in ("3", 2.5, -1, True):
+            with pytest.raises(UserError, match=r"run\(steps=.*\): expected a number of steps"):
+                trainer.run(steps)
+        assert trainer.step == 2
+
+
 # After the failed write, tensorstore's I/O threads find orbax's event loop closed (an unraisable
 # exception in those threads; a command-line run drops their stderr, maxmoe.training.checkpoint),
 # and the abandoned write coroutines are collected unawaited: both are the failure under test.

@@ -16,6 +16,8 @@ class ConfigError(UserError):
 def read_named_file(path: str | Path, what: str, *, missing: str = "", error: type[UserError] = UserError) -> bytes:
     """The bytes of a file the user named, else one `error` line saying why not: a folder, not a
     regular file (a device, a FIFO), missing (`missing` says what that suggests), unreadable."""
+    if not str(path).strip():  # Path("") is the current folder
+        raise error(f"{what} {str(path)!r}: an empty path; name a file")
     p = Path(path)
     if p.is_dir():
         raise error(f"{what} {path} is a folder; name a file")

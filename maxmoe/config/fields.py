@@ -154,6 +154,8 @@ def coerce(key: str, value: Any, kind: type, meta: dict) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}={shown(value)}: expected a string")
         if meta.get("path"):
+            if "\0" in value:  # the OS cannot name such a file: refused now, not at the first write
+                raise ConfigError(f"{key}={shown(value)}: a path cannot hold a NUL character")
             value = expand_home(key, value)
     elif kind is list:
         if value is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from maxmoe.cli import _Parser, exit_with, main_guard
+from maxmoe.cli import _Parser, exit_with, main_guard, path_argument
 from maxmoe.config import UserError
 from maxmoe.convert import hf, hf_export
 from maxmoe.convert.output import storage_error
@@ -25,8 +25,8 @@ def build_parser() -> _Parser:
     parser = _Parser(prog="python -m maxmoe.convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     importer = commands.add_parser("from-hf", help="Hugging Face folder -> maxmoe checkpoint")
-    importer.add_argument("--hf-dir", required=True, help="folder with config.json and safetensors")
-    importer.add_argument("--out", required=True, help="new folder for the maxmoe checkpoint")
+    importer.add_argument("--hf-dir", type=path_argument, required=True, help="folder with config.json and safetensors")
+    importer.add_argument("--out", type=path_argument, required=True, help="new folder for the maxmoe checkpoint")
     importer.add_argument(
         "--dtype",
         default="float32",
@@ -34,8 +34,10 @@ def build_parser() -> _Parser:
         help="parameter dtype in the checkpoint (router biases stay float32)",
     )
     exporter = commands.add_parser("to-hf", help="maxmoe checkpoint -> Hugging Face folder")
-    exporter.add_argument("--checkpoint", required=True, help="converted folder or training run.dir")
-    exporter.add_argument("--out", required=True, help="new folder for config.json + safetensors")
+    exporter.add_argument(
+        "--checkpoint", type=path_argument, required=True, help="converted folder or training run.dir"
+    )
+    exporter.add_argument("--out", type=path_argument, required=True, help="new folder for config.json + safetensors")
     exporter.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     exporter.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, GiB")
     return parser

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import os
 import signal
 import sys
 from pathlib import Path
 
-from maxmoe.cli import _Parser, check_new_folder, main_guard
+from maxmoe.cli import _Parser, check_new_folder, main_guard, path_argument
 from maxmoe.config import UserError
-from maxmoe.data import read_meta, stdlib_corpus
+from maxmoe.data import load_tokens, read_meta, stdlib_corpus
 from maxmoe.data.prepare import prepare_folder
+from maxmoe.data.text_cache import glob_files
 
 MAX_WORKERS = max(256, 2 * (os.cpu_count() or 1))  # more processes than this only thrash
 
@@ -61,10 +61,12 @@ def _sigterm_raises():
 def _input_files(patterns: list[str]) -> list[str]:
     files: set[str] = set()
     for pattern in patterns:
-        matched = [p for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+        matched = [pattern] if Path(pattern).is_file() else glob_files(pattern)  # a file's name may hold [ ]
         if not matched:
             if Path(pattern).is_dir():
                 raise UserError(f"--input {pattern} is a folder; give a glob, e.g. '{pattern.rstrip('/')}/**/*.jsonl'")
+            if Path(pattern).exists():
+                raise UserError(f"--input {pattern}: not a regular file (a device, a pipe or a socket)")
             raise UserError(f"--input {pattern}: no files match")
         files.update(matched)
     return sorted(files)
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument(
         "--input",
         action="append",
+        type=path_argument,
         required=True,
         metavar="GLOB",
         help="files to read: .txt (or any) one document each, .jsonl[.gz] one per line, .parquet one per row "
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument(
         "--tokenizer", default="byte", metavar="byte|PATH", help="'byte' (default) or a Hugging Face tokenizer.json"
     )
-    make.add_argument("--out", required=True, metavar="DIR", help="the token folder to create")
+    make.add_argument("--out", type=path_argument, required=True, metavar="DIR", help="the token folder to create")
     make.add_argument("--eval-fraction", type=float, default=0.05, help="share of the tokens held out for eval")
     make.add_argument("--text-key", default="text", help="the text field of .jsonl records and .parquet rows")
     make.add_argument(
@@ -141,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     make.add_argument("--eos-token", default="", help="end-of-document token of a tokenizer.json")
     show = commands.add_parser("stats", help="describe a token folder")
-    show.add_argument("folder", nargs="?", default="", metavar="DIR", help="token folder; default: the stdlib corpus")
-    show.add_argument("--path", default="", metavar="DIR", help="the same as DIR")
+    show.add_argument(
+        "folder", nargs="?", type=path_argument, metavar="DIR", help="token folder; default: the stdlib corpus"
+    )
+    show.add_argument("--path", type=path_argument, metavar="DIR", help="the same as DIR")
     show.add_argument("--cache-dir", default="", metavar="DIR", help="stdlib cache parent (data.cache_dir)")
     args = parser.parse_args(argv)
     if args.command is None:
@@ -156,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise UserError(f"stats: two folders given ({args.folder} and --path {args.path}); give one")
                 named = args.folder or args.path
                 folder = Path(named) if named else stdlib_corpus(args.cache_dir, 0.05)
+                for split in ("train", "eval"):  # the checks training makes: a folder it refuses is refused here
+                    load_tokens(folder, split)
                 _print_stats(folder, read_meta(folder))
     except Terminated:
         print("maxmoe: stopped by SIGTERM; nothing was written", file=sys.stderr)

@@ -9,7 +9,8 @@
 
 Names are `path` for whole files and `path:N` (line or row N, from 1) for records; they
 decide which documents are held out for eval. Null texts are empty documents (skipped
-later). Malformed records are one-line UserErrors naming the file and line.
+later). Malformed records, and JSON lines that are not UTF-8, are one-line UserErrors naming
+the file and line.
 """
 
 from __future__ import annotations
@@ -51,13 +52,19 @@ def _text_of(value, where: str, text_key: str) -> str:
 
 
 def _jsonl_documents(path: str, text_key: str) -> Iterator[tuple[str, str]]:
+    """Records of a JSON-lines file: UTF-8 text (a byte order mark at the start is skipped); a
+    line that is not UTF-8 is refused, never read with replacement characters."""
     opener = gzip.open if path.lower().endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8", errors="replace") as lines:
-            for number, line in enumerate(lines, start=1):
+        with opener(path, "rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                where = f"{path}:{number}"
+                try:
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
                 if not line.strip():
                     continue
-                where = f"{path}:{number}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:

@@ -16,6 +16,7 @@ read again at every start.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
@@ -49,28 +50,75 @@ def is_token_folder(path: str | Path) -> bool:
 
 
 def input_files(spec: str, label: str = "data.path") -> list[str]:
-    """The document files `spec` names (a file, a glob, or a folder of TEXT_SUFFIXES files), sorted."""
+    """The document files `spec` names (a file, a folder of TEXT_SUFFIXES files, or a glob), sorted.
+
+    A path that exists is that file or folder, even when its name holds glob characters
+    (`book[1].txt`); only a path that does not exist is read as a glob.
+    """
     path = Path(spec).expanduser()
-    if glob.has_magic(spec):
-        files = [p for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
-        if not files:
-            raise UserError(f"{label}={spec}: no files match")
-    elif path.is_file():
+    if path.is_file():
         files = [str(path)]
     elif path.is_dir():
         files = [
-            str(p)
-            for p in path.rglob("*")
-            if p.is_file() and not p.name.startswith(".") and p.name.lower().endswith(TEXT_SUFFIXES)
+            name
+            for name in glob_files(str(path / "**" / "*"))
+            if not Path(name).name.startswith(".") and name.lower().endswith(TEXT_SUFFIXES)
         ]
         if not files:
             raise UserError(
                 f"{label}={spec}: a folder with no meta.json (not a token folder) and no "
                 f"{', '.join(TEXT_SUFFIXES)} files to read"
             )
+    elif path.exists():
+        raise UserError(f"{label}={spec}: not a regular file or folder (a device, a pipe or a socket)")
+    elif glob.has_magic(spec):
+        files = glob_files(str(path))
+        if not files:
+            raise UserError(f"{label}={spec}: no files match")
     else:
         raise UserError(f"{label}={spec}: no such file or folder")
     return sorted(files)
+
+
+def glob_files(pattern: str) -> list[str]:
+    """The regular files matching a glob (`**`: any number of folders), each real folder entered
+    once under `**`: a symbolic link back up the tree, or a second link to a folder already read,
+    adds nothing (Python's glob follows a loop until the path is too long, reading it again each
+    time). Names starting with '.' match only a pattern part that starts with '.', as in glob."""
+    parts = Path(pattern).parts
+    parts = (*parts, "*") if parts and parts[-1] == "**" else parts  # `a/**`: the files at any depth
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    found, entered = [], set()
+
+    def children(folder: Path, part: str) -> list[Path]:
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:  # unreadable or not a folder: nothing matches under it, as in glob
+            return []
+        hidden_ok = part.startswith(".")
+        return [folder / n for n in names if fnmatch.fnmatchcase(n, part) and (hidden_ok or not n.startswith("."))]
+
+    def walk(path: Path, rest: tuple[str, ...]) -> None:
+        if not rest:
+            if path.is_file():
+                found.append(str(path))
+        elif rest[0] == "**":
+            real = os.path.realpath(path)
+            if real in entered or not path.is_dir():
+                return
+            entered.add(real)
+            walk(path, rest[1:])
+            for child in children(path, "*"):
+                if child.is_dir():
+                    walk(child, rest)
+        elif glob.has_magic(rest[0]):
+            for child in children(path, rest[0]):
+                walk(child, rest[1:])
+        else:
+            walk(path / rest[0], rest[1:])
+
+    walk(Path(*parts[:fixed]) if fixed else Path(), parts[fixed:])
+    return found
 
 
 def _content_hash(path: str, remembered: dict[str, str]) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import shlex
 import sys
 import threading
 from pathlib import Path
@@ -446,7 +447,14 @@ def latest_step_of(path: str | Path, label: str, *items: str):
         with _quiet_orbax():
             step = manager.latest_step()
         if step is None:
-            raise UserError(f"{label}: no complete checkpoint step in {directory}")
+            hf = (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+            hint = (
+                f"; it holds a Hugging Face model: convert it first, python -m maxmoe.convert from-hf --hf-dir "
+                f"{shlex.quote(str(path))} --out OUT, and name OUT"
+                if hf
+                else ""
+            )
+            raise UserError(f"{label}: no complete checkpoint step in {directory}{hint}")
         yield manager, step, f"{label} (step {step})"
     finally:
         manager.close()

@@ -79,6 +79,8 @@ def truncate_after(path: Path, step: int) -> str:
     try:
         tmp.write_text("".join(f"{line}\n" for line in kept))
         os.replace(tmp, path)
+    except OSError as e:  # a full disk: the file stays as it was
+        raise UserError(f"cannot rewrite {path} ({e.strerror or type(e).__name__}); it was left as it was") from None
     finally:
         tmp.unlink(missing_ok=True)
     return note
@@ -129,8 +131,11 @@ class MetricsLogger:
         record = {k: _clean(v) for k, v in record.items()}
         if not self.enabled:
             return record
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: a line cut short is dropped when the run resumes
+            raise UserError(f"cannot write {self.path} ({e.strerror or type(e).__name__})") from None
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

@@ -121,7 +121,8 @@ class RunDirLock:
             handle.write(json.dumps(holder) + "\n")
             handle.flush()
         except OSError as e:  # a full disk: the run would fail at its first write anyway
-            handle.close()
+            with contextlib.suppress(OSError):  # closing flushes the write that failed, and fails again
+                handle.close()
             raise UserError(f"cannot write {self.path}: {e.strerror or type(e).__name__}") from None
         self._file = handle
 

@@ -446,7 +446,7 @@ class Trainer:
         kept = (
             f"step {proven}, the last step that trained cleanly, is kept"
             if proven is not None and proven != self.step
-            else "no saved step has trained cleanly since"
+            else "no step saved before them has trained cleanly"
         )
         if self.is_main:
             print(
