@@ -173,7 +173,7 @@ def use_compile_cache(setting: str = "auto") -> Path | None:
         compilation_cache.reset_cache()  # jax opens its cache once: one opened earlier (a notebook) is let go
         for name, value in wanted.items():
             jax.config.update(name, value)
-    if "jax_compilation_cache_max_size" in wanted:
+    if path is not None and jax.config.jax_compilation_cache_max_size != -1:  # jax's size limit is on
         _adopt_orphans(path)
     return path
 

@@ -105,6 +105,21 @@ def test_the_docs_have_commands():
     assert len(ALL) >= 30
 
 
+def test_the_readme_runs_the_clone_s_virtual_environment():
+    """Every README command runs `.venv/bin/python` (the set-up's environment), never a bare `python`
+    that may be another interpreter without maxmoe."""
+    text = (REPO / "README.md").read_text()
+    lines = [(n, line) for n, line in _joined_lines(text)]
+    lines += [(n, span) for n, line in enumerate(text.split("\n"), 1) for span in re.findall(r"`([^`]+)`", line)]
+    bare = []
+    for number, line in lines:
+        for match in COMMAND.finditer(line):
+            if re.search(r"--|=", match.group(2)) and not line[: match.start()].endswith(".venv/bin/"):
+                bare.append(f"README.md:{number}: {line.strip()}")
+    assert not bare, "\n".join(bare)
+    assert sum(".venv/bin/python -m maxmoe" in line for _, line in lines) >= 20  # the check saw the commands
+
+
 class _Parsed(BaseException):
     """Raised by the patched parser with what it parsed: the entry point stops there."""
 

@@ -39,3 +39,4 @@ def test_quickstart_notebook_executes_and_leaves_plots(tmp_path, monkeypatch):
     assert len(images) >= 2, [out.get("data", {}).keys() for out in outputs]
     text = "".join(out.get("text", "") for out in outputs)
     assert "relative difference" in text and "eval loss" in text
+    assert "removed" in text and not list(tmp_path.glob("maxmoe-quickstart-*"))  # its run folders are gone

@@ -19,10 +19,10 @@ from maxmoe.training.checkpoint import Checkpointer
 from maxmoe.training.optim import continued_schedule, learning_rate_schedule
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-# One dense and one MoE layer, no MTP, synthetic tokens: a Trainer that compiles quickly.
-MOE = {
-    **{"model.compute_dtype": "float32", "model.num_layers": 2, "model.first_k_dense": 1, "model.mtp_num_layers": 0},
-    **{"data.source": "synthetic", "train.batch_size": 8, "train.seq_len": 32, "train.steps": 3, "train.log_every": 1},
+# One dense layer, no MTP, synthetic tokens: a Trainer that compiles quickly (the schedule is the point).
+SMALL = {
+    **{"model.compute_dtype": "float32", "model.num_layers": 1, "model.first_k_dense": 1, "model.mtp_num_layers": 0},
+    **{"data.source": "synthetic", "train.batch_size": 4, "train.seq_len": 16, "train.steps": 3, "train.log_every": 1},
 }
 TRAIN = load_config(TINY, {"train.steps": 300, "train.warmup_steps": 30, "train.lr": 3e-3}).train
 PEAK, FLOOR = 3e-3, 3e-4  # train.min_lr_ratio 0.1
@@ -96,7 +96,7 @@ def own_compile_cache(tmp_path):
 
 def test_a_continued_trainer_keeps_the_final_rate_and_loads_cached_programs(tmp_path, capsys, own_compile_cache):
     run = str(tmp_path / "run")
-    overrides = {**MOE, "train.warmup_steps": 1, "run.progress": "plain", "run.dir": run}
+    overrides = {**SMALL, "train.warmup_steps": 1, "run.progress": "plain", "run.dir": run}
     overrides["run.compile_cache"] = own_compile_cache
     with maxmoe.Trainer(load_config(TINY, overrides), devices=jax.devices()[:1]) as first:
         first.run()
@@ -112,3 +112,21 @@ def test_a_continued_trainer_keeps_the_final_rate_and_loads_cached_programs(tmp_
     assert "schedule_steps: 3" in (tmp_path / "run" / "config.yaml").read_text()
     step, stored = Checkpointer(second.config, tmp_path / "run").saved_config()
     assert step == 5 and stored["train"]["schedule_steps"] == 3
+
+
+def test_a_cached_program_left_without_its_access_time_does_not_stop_the_cache(own_compile_cache):
+    # A process killed between jax's two writes leaves a program without its access time; jax's
+    # size-limited cache then adds nothing more (it reads every entry's access time first).
+    folder = Path(own_compile_cache)
+    folder.mkdir(parents=True)
+    (folder / "jit_f-0123-cache").write_bytes(b"a program")
+    assert runtime.use_compile_cache(own_compile_cache) == folder
+    assert (folder / "jit_f-0123-atime").is_file()
+    hits = runtime.compile_cache_hits()
+    x = jax.numpy.arange(5.0)
+    jax.jit(lambda v: v * 3 + 1).lower(x).compile()
+    added = [p.name for p in folder.glob("jit__lambda-*-cache")]
+    assert added and runtime.compile_cache_hits() == hits
+    jax.clear_caches()  # the in-memory cache: the next compile looks in the folder
+    jax.jit(lambda v: v * 3 + 1).lower(x).compile()
+    assert runtime.compile_cache_hits() == hits + 1
