@@ -6,6 +6,7 @@ The command lines run in this process (their main functions, stderr through caps
 a backend jax cannot start needs a process of its own.
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -185,28 +186,30 @@ def test_a_backend_jax_cannot_start_is_one_line_in_every_entry_point(tmp_path):
 # --------------------------------------------------------------------------- a full disk
 
 
-@pytest.fixture
-def disk_of(monkeypatch):
-    """disk_of(n): every write past n bytes fails from here to the end of the test (EFBIG, as a full disk)."""
+@contextlib.contextmanager
+def disk_of(size: int):
+    """Every write past `size` bytes fails inside the block (EFBIG, as a full disk would fail it)."""
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    yield lambda size: resource.setrlimit(resource.RLIMIT_FSIZE, (size, limits[1]))
-    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    signal.signal(signal.SIGXFSZ, previous)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, limits[1]))
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
 
 
-def test_a_full_disk_is_one_line_and_leaves_what_was_written(tmp_path, disk_of):
+def test_a_full_disk_is_one_line_and_leaves_what_was_written(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()
     metrics.write_bytes(records(*range(1, 200)))
     write_run_config(tmp_path / "run", "train:\n  steps: 3\n")
     config_yaml = (tmp_path / "run" / "config.yaml").read_text()
-    disk_of(16)
-    with pytest.raises(UserError, match="maxmoe.lock: File too large"):
+    with disk_of(16), pytest.raises(UserError, match="maxmoe.lock: File too large"):
         claim_run_dir(tmp_path / "fresh")
-    with pytest.raises(UserError, match="cannot rewrite .*metrics.jsonl .*it was left as it was"):
+    with disk_of(16), pytest.raises(UserError, match="cannot rewrite .*metrics.jsonl .*it was left as it was"):
         truncate_after(metrics, 100)
-    with pytest.raises(UserError, match="cannot write .*config.yaml .*nothing was changed"):
+    with disk_of(16), pytest.raises(UserError, match="cannot write .*config.yaml .*nothing was changed"):
         write_run_config(tmp_path / "run", "train:\n  steps: 5\n")
     assert metrics.read_bytes() == records(*range(1, 200))
     assert (tmp_path / "run" / "config.yaml").read_text() == config_yaml
