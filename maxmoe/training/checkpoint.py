@@ -5,18 +5,13 @@
                               /config   the resolved config (JSON)
                               /digest   each array's digest, the newest proven step (JSON)
 
-Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when every item is
-complete, so a step that was being written when the process died is never picked up
-(and is overwritten when that step is saved again). Arrays are restored straight into
-the shardings of the current mesh, whatever mesh or device count wrote them. Layer
-stacks are stored in model order whatever the pipeline's stage layout
-(maxmoe.training.stage_state), so pipeline and non-pipeline runs resume each other.
-
-Before restoring, the stored tree is checked against the state this config builds (every
-array present, same shapes), so a checkpoint of another model, or one that cannot be
-read, stops the job with one line naming the step folder; nothing is deleted. After, the
-arrays' digests are checked (maxmoe.training.integrity): a damaged step is refused in one line
-naming the newest step that passes. `checkpoint.keep` never deletes the newest proven step.
+Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when every item is complete, so a
+step cut short is never read. Arrays are restored straight into the current mesh's shardings;
+layer stacks are stored in model order (maxmoe.training.stage_state), so pipeline and
+non-pipeline runs resume each other. A stored tree that does not fit this config's state (another
+model), cannot be read, or whose arrays' digests differ (damaged; maxmoe.training.integrity)
+stops the job with one line naming the step folder (and the newest step that passes); nothing
+is deleted. `checkpoint.keep` never deletes the newest proven step.
 """
 
 from __future__ import annotations

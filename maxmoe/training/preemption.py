@@ -4,21 +4,13 @@
     with stop.installed():                    # handlers only while the loop runs
         ... after each step:  if stop.should_stop(step): save step; leave the loop
 
-One process: Python handlers note the signal, say so on stderr at once, and the loop stops
-after the step in flight (SIGHUP, a closed terminal, is a SIGTERM). A second SIGINT (Ctrl-C again) does not wait: the command line exits
-at once with status 130, a notebook gets KeyboardInterrupt. `installed()` nests: only the
-outermost use installs handlers, and the ones that were there before come back when it ends
-(a notebook's interrupt keeps working after a run).
-
-Several processes (jax.distributed): a process that stops alone leaves the others waiting in a
-collective, and their checkpoints would not match. JAX's preemption service already handles
-this: `jax.distributed.initialize` installs a SIGTERM notifier (in C++) that tells the
-coordination service, which picks a step every process can still reach (the largest current
-step + 1); `multihost_utils.reached_preemption_sync_point(step)`, asked after every step, is
-true at that step on every process. A Python SIGTERM handler would replace that notifier at
-the OS level, so none is installed then; SIGINT (Ctrl-C) and SIGHUP are forwarded to this
-process as SIGTERM and take the same path. jax is imported on first use: the command line
-installs the handlers before it imports jax (seconds), so a signal then is not lost.
+One process: handlers note the signal (SIGHUP is a SIGTERM), say so at once, and the loop stops
+after the step in flight; a second Ctrl-C exits at once (130; a notebook: KeyboardInterrupt).
+`installed()` nests, and puts back the handlers that were there. jax is imported on first use,
+so the command line installs the handlers before jax starts (a signal then is not lost).
+Several processes: JAX's preemption service (its C++ SIGTERM notifier) picks a step every process
+reaches, where `multihost_utils.reached_preemption_sync_point` is true on all; no Python SIGTERM
+handler is installed then, and SIGINT and SIGHUP are forwarded to this process as SIGTERM.
 """
 
 from __future__ import annotations
