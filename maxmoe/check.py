@@ -34,6 +34,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -352,14 +353,24 @@ def run_all(json_path: str | None = None, only: list[str] | None = None, out=Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: run every check; exit 1 if any failed or crashed."""
-    from maxmoe.cli import _Parser  # usage errors as one `maxmoe: error: ...` line, exit status 2
+    """Command line: run every check; exit 1 if any failed or crashed, 2 on bad arguments (one line)."""
+    from maxmoe.cli import main_guard
+
+    return main_guard(_main)(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from maxmoe.cli import _Parser, check_output_file, path_argument  # usage errors: one `maxmoe: error:` line
 
     parser = _Parser(prog="python -m maxmoe.check", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="append the preflight and each row to this file (JSON lines)")
+    parser.add_argument(
+        "--json", type=path_argument, help="append the preflight and each row to this file (JSON lines)"
+    )
     parser.add_argument("--only", action="append", choices=list(CHECKS), help="run only this check (repeatable)")
     parser.add_argument("--preflight", action="store_true", help="print the preflight line only")
     args = parser.parse_args(argv)
+    if args.json:
+        check_output_file(Path(args.json), "--json")  # before a minute of checks, not after
     if args.preflight:
         print(preflight_line(preflight()))
         return 0

@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, job_env
 
 from maxmoe import data
+from maxmoe.check import main as check_main
 from maxmoe.config import UserError, load_config
 from maxmoe.convert.__main__ import main as convert_main
 from maxmoe.data.__main__ import main as data_main
@@ -126,6 +127,12 @@ CASES = {
         "--write-config /proc/maxmoe/best.yaml",
     ),
     "info | args: --check with a config": (info_main, ["--check", "--config", TINY], "reads no config"),
+    "check | args: a check that does not exist": (check_main, ["--only", "nonexistent"], "invalid choice"),
+    "check | path: --json where nothing is written": (
+        check_main,
+        ["--json", "/proc/maxmoe/rows.jsonl"],
+        "--json /proc/maxmoe/rows.jsonl",
+    ),
 }
 
 
