@@ -26,11 +26,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 from maxmoe import runtime
 from maxmoe.cli import _Parser, exit_with, main_guard, path_argument
 from maxmoe.config import ConfigError, ModelConfig, UserError, load_config
+from maxmoe.config.yaml_reader import read_yaml
 from maxmoe.convert.hf import load_pretrained
 from maxmoe.data import EOS_ID, byte_tokens, data_folders, decode_bytes, read_meta
 from maxmoe.model.decode import decode, init_cache
@@ -94,16 +94,20 @@ def tokenizer_for(folder: str | Path, spec: str = "") -> ByteTokenizer | JsonTok
         return JsonTokenizer(folder / "tokenizer.json")
     config_path = folder / "config.yaml"
     try:
-        has_data = config_path.is_file() and "data" in (yaml.safe_load(config_path.read_text()) or {})
-    except (yaml.YAMLError, TypeError, UnicodeDecodeError):
-        has_data = False
-    if not has_data:
+        raw = read_yaml(config_path.read_bytes().decode("utf-8"), str(config_path)) if config_path.is_file() else None
+    except (OSError, UnicodeDecodeError, ConfigError) as e:
+        reason = e if isinstance(e, ConfigError) else getattr(e, "strerror", None) or "not UTF-8 text"
+        raise UserError(
+            f"no tokenizer for {folder}: its config.yaml cannot be read ({reason}); "
+            f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
+        ) from None
+    if not (isinstance(raw, dict) and "data" in raw):
         raise UserError(
             f"no tokenizer for {folder}: it has no tokenizer.json and no training config; "
             f"pass --tokenizer PATH/tokenizer.json (or --tokenizer byte)"
         )
     try:
-        run_config = load_config(config_path)
+        run_config = load_config(config_path, stored=True)  # a run's own config: earlier keys translated
         if run_config.data.kind in ("stdlib", "synthetic"):
             return ByteTokenizer()
         data_folder = data_folders(run_config)[0][0]  # a mixture's folders share one vocabulary

@@ -80,6 +80,8 @@ def _files(tmp: Path) -> dict:
     os.mkfifo(tmp / "fifo.yaml")
     (tmp / "run").mkdir()
     (tmp / "run" / "config.yaml").write_text(load_config(TINY).to_yaml())
+    (tmp / "damaged_run").mkdir()
+    (tmp / "damaged_run" / "config.yaml").write_bytes(b"model:\n  hidden_size: \xff\n")
     damaged = token_folder(tmp / "tokens")
     (damaged / "train.bin").write_bytes((damaged / "train.bin").read_bytes()[:-2])  # one token short
     return {"tmp": tmp}
@@ -103,6 +105,11 @@ CASES = {
         generate_main,
         ["--run", "{tmp}/run", "--prompt", "x", "--seed", str(2**70)],
         "expected 0 to",
+    ),
+    "generate | file: a run whose config.yaml is not UTF-8": (
+        generate_main,
+        ["--run", "{tmp}/damaged_run", "--prompt", "x"],
+        "its config.yaml cannot be read (not UTF-8 text)",
     ),
     "report | path: empty RUN_DIR": (report_main, [""], "an empty path"),
     "report | file: metrics.jsonl a FIFO": (report_main, ["{tmp}/fifo_run"], "not a regular file"),
