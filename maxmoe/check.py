@@ -2,26 +2,15 @@
 
     python -m maxmoe.check [--json rows.jsonl] [--only CHECK ...] [--preflight]
 
-Run it on a new GPU machine before a long job (about a minute). First a preflight line: device
-kind and compute capability, jax and CUDA versions, cuDNN's version, whether ptxas / nvJitLink
-are there for Mosaic GPU, free device memory. Then one row per check, printed (and appended to
---json) as soon as it is measured: every kernel `auto` can choose, forward value and both
-gradients against an XLA oracle on the same inputs, max relative error (max |got - want| /
-max |want|, per output) against a tolerance:
+Prints a preflight line (device, compute capability, jax, CUDA and cuDNN versions, the Mosaic
+GPU toolchain, free memory), then one row per check (`CHECKS`) as soon as it is measured,
+appended to --json: every kernel `auto` can choose (grouped GEMMs, attention cores, FP8 GEMMs),
+forward value and both gradients against an XLA oracle on the same inputs, max relative error
+against a tolerance. A check that cannot run here says why; one that fails or crashes is
+recorded and the next one runs. Off a GPU, Triton kernels run in Pallas interpret mode in
+float32. Exit status 0 when no check failed, 1 otherwise.
 
-  grouped mosaic_gpu    jax's Mosaic GPU ragged dot (Hopper) vs jax.lax.ragged_dot: uneven
-                        groups, an empty group, rows past the groups (which must be zero)
-  grouped tokamax       tokamax's ragged dot, same case
-  attention triton / cudnn / tokamax
-                        causal flash attention vs the xla core at MLA's head dims (qk 192, v 128)
-  fp8 blockwise dense / grouped
-                        maxmoe's Triton blockwise kernels vs XLA's blockwise program
-  fp8 tensorwise / mxfp8 dense
-                        the recipe's GEMMs vs the product of the dequantised operands
-
-A check that cannot run here says why ("needs a GPU", not installed); one that fails or
-crashes is recorded and the next one runs. Off a GPU, Triton kernels run in Pallas interpret
-mode in float32. Exit status 0 when no check failed, 1 otherwise.
+docs/KERNELS.md, "Checking a machine's kernels" has each check's case and oracle.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """FP8 dense projections on each device's shards, where a kernel call needs no partitioning.
 
-XLA's SPMD partitioner cannot split a custom call such as maxmoe's Triton kernel: it would run
-it on gathered operands. So with `model.fp8=blockwise` on a GPU target the dense projections
-run inside a `shard_map` laid out from the projection's logical axes, and their three GEMMs
-(forward, dx, dw) go through `maxmoe.kernels.fp8_grouped` with one group:
+    project = sharded_fp8_projection(mesh, x_spec, w_spec, recipe, kernels)
+    y = project(x, w_KN)                        # x [..., K], w [K, N] -> [..., N]
 
-  x [batch..., K]  sharded as the rules give its batch dims and its contraction K
-  w [K, N]         K as x's, N over its own axes not already used by x (the rest gathered,
-                   as XLA gathers an FSDP weight for its dot)
-  y [batch..., N]  batch dims as x, N as w; summed over K's axes when K is split (a
-                   row-parallel projection: the tensor-parallel all-reduce)
+XLA's SPMD partitioner cannot split a custom call, so with `model.fp8=blockwise` on a GPU target
+the dense projections run inside a `shard_map` laid out from the projection's logical axes
+(`projection_specs`) and their three GEMMs go through `maxmoe.kernels.fp8_grouped` with one
+group. An FSDP weight is quantised on its shard in 128x128 blocks and gathered as e4m3 values
+plus float32 scales where every gathered dimension is whole blocks (`fp8_gather_axes`),
+otherwise gathered in bf16 and quantised after; the values are the whole weight's either way.
 
-In the backward jax transposes the layout: the weight's gradient is summed over the axes its
-shard is replicated on, and the gather of an FSDP weight becomes a reduce-scatter.
-
-An FSDP weight (sharded over axes that also split the batch) is quantised before it is
-gathered, as XLA does for tensorwise: each device quantises its shard in DeepSeek-V3's 128x128
-blocks and the all-gather moves e4m3 values and their float32 scales (a byte a value, not
-bf16's two). The blocks must not straddle shards: every gathered dimension of a shard is whole
-128-blocks (at 671B: the MLA output projection, the dense and shared-expert MLPs, the latent
-down-projections); otherwise the bf16 weight is gathered and quantised after. The blocks are
-the whole weight's either way, so are the values. dx reuses the gathered blocks transposed
-(a 128x128 block is its own transpose's), and the weight gradient is reduce-scattered back to
-the shards.
+docs/KERNELS.md, "FP8 GEMMs" ("Dense projections on each device's shards") has the layout and
+its backward.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """DeepSeek-V3's block-scaled FP8 grouped GEMMs as Pallas Triton kernels (NVIDIA GPUs).
 
-    out[m, n] = sum_c a_scale[m, c] * b_scale[g(m), c, n] * (aq[m, c-th 128] . bq[g(m), n, c-th 128])
+    out_MN = blockwise_grouped_gemm(aq_MK, a_scale_MC, bq_GNK, b_scale_GCN, group_sizes_G)
+    dw_GDF = fp8_grouped_wgrad(xq_DM, dyq_FM, group_sizes_G)     # scales applied by the caller
 
-aq [M, K] e4m3 with a float32 scale per row and 128 columns (1x128 tiles), bq [G, N, K] e4m3
-(contraction last) with a float32 scale per 128 of the contraction and per output column (a
-128x128 block's scale repeated over its 128 columns), rows sorted by group as
-`maxmoe.kernels.grouped_matmul` has them. This is the forward and input-gradient GEMM of
-`model.fp8=blockwise` (maxmoe.kernels.fp8_matmul). XLA has no such kernel: its program runs
-one fp8 `ragged_dot` per 128 of the contraction, and XLA:GPU rewrites each into a dense dot of
-G x the FLOPs.
+The forward and input-gradient GEMMs of `model.fp8=blockwise` (maxmoe.kernels.fp8_matmul) and
+its weight gradient: rows sorted by group, aq with a float32 scale per 1x128 tile, bq per 128x128
+block; one fp8 dot per 128 of the contraction, scaled and added into a float32 sum; no padding
+of the groups; rows past sum(group_sizes) come out zero; K a multiple of 128 (callers pad).
+`interpret=True` runs the same kernels in Pallas' interpreter (CPU tests); the dry run calls
+`balanced_blockwise_gemm` and `balanced_grouped_wgrad` in their place.
 
-The kernel, per (row tile, column tile): one fp8 `dot` per 128 of the contraction into a fresh
-float32 accumulator, scaled by the tile's two scale vectors and added into the float32 sum:
-the "promotion" of DeepSeek-V3's kernels (Hopper's FP8 tensor cores keep about 14 bits while
-accumulating, so partial sums move to float32 every 128). A row tile is one group's share of a
-block of BLOCK_M rows: the schedule (`tile_schedule`) lists, group after group, the row blocks
-each group touches, so a block that two groups share is visited once per group with the other
-group's rows masked: at most G - 1 extra tiles, no padding of the groups. Rows past
-sum(group_sizes) come out zero. K must be a multiple of 128 (callers pad with zeros).
-
-The weight gradient (`fp8_grouped_wgrad`) contracts over each group's rows: both operands come
-transposed, the rows last, and each (group, row tile of dw, column tile) program adds one fp8
-dot per 128 of the group's rows in float32 (rows of the neighbouring groups masked); the
-recipe's scales there are per (group, column), so they factor out and the caller applies them.
-
-`interpret=True` runs the same kernel through Pallas' interpreter (CPU tests). The dry run, which
-compiles for a CPU, calls `balanced_blockwise_gemm` and `balanced_grouped_wgrad` in their place. jax 0.10 lowers it
-for CUDA on a host without a GPU, newer jax only with one; jax 0.12 marks Pallas' Triton
-backend deprecated (still shipped), Mosaic GPU being where the kernel would move. Legend: M rows,
-K contraction, N output columns, G groups, C = K / 128 contraction blocks, T row tiles.
+docs/KERNELS.md, "FP8 GEMMs" ("Blockwise kernels") has the kernels' schedule and why.
+Legend: M rows, K contraction, N output columns, G groups, C = K / 128 contraction blocks,
+T row tiles; D, F the weight gradient's rows and columns.
 """
 
 from __future__ import annotations

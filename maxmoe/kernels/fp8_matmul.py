@@ -1,41 +1,17 @@
 """FP8 GEMMs with their own VJP: dense projections and the grouped expert GEMM (`model.fp8`).
 
-Every GEMM of a layer (forward y = x @ w, input gradient dx = dy @ w^T, weight gradient
-dw = x^T @ dy) quantises both operands along its own contraction axis, multiplies the fp8
-values with float32 accumulation, and rescales (`maxmoe.kernels.fp8_quant` has the blocks):
+    y = fp8_matmul(x, w_KN, recipe, kernels)                                a dense projection
+    y_MF = fp8_grouped_matmul(x_MD, w_GDF, group_sizes_G, recipe, backend)  rows sorted by group
+    y_MD = fp8_grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, recipe, backend)
 
-| recipe | forward | dx | dw | GEMM program |
-|---|---|---|---|---|
-| tensorwise | e4m3 x e4m3 | e5m2 x e4m3 | e4m3 x e5m2 | one dot of fp8 operands (cuBLASLt on Hopper) |
-| blockwise | e4m3 1x128 x 128x128 | same, w^T's blocks | e4m3 128x1 x 128x1 | one fp8 dot per 128 of the contraction, scaled and summed in f32 (on CUDA one block at a time) |
-| mxfp8 | e4m3 1x32 x 32x1, e8m0 scales | same | same | `jax.nn.scaled_matmul` on CUDA; elsewhere the dequantised values (exact in bf16 and f32) |
+Every GEMM of a layer (forward y = x @ w, dx = dy @ w^T, dw = x^T @ dy) quantises both operands
+along its own contraction axis (`maxmoe.kernels.fp8_quant`), multiplies the fp8 values with
+float32 accumulation and rescales. Recipes (`RECIPES`): tensorwise, blockwise (DeepSeek-V3's:
+partial sums promoted to float32 every 128 of the contraction) and mxfp8. Master weights stay
+float32 (callers cast), operands arrive in the compute dtype, gradients leave in the operands'
+dtypes; inputs are saved for the backward pass unquantised.
 
-Blockwise is DeepSeek-V3's recipe: a scale per 1x128 activation tile and per 128x128 weight
-block changes along the contraction every 128 elements, so the program multiplies each
-128-wide slice of the contraction separately and adds the scaled partial sums in float32 (the
-"promotion" of DeepSeek-V3's kernels). XLA has no fused kernel for that. Elsewhere one batched
-dot computes the K/128 partial products at once; on CUDA a scan adds them one at a time into
-an [M, N] float32 sum, so memory stays that of one product (the bandwidth of K/128 passes
-over it stays); the numerics are the recipe's either way.
-MXFP8's scales are powers of two, so a dequantised value is exact in bfloat16 and float32.
-Master weights stay float32 (callers cast), operands arrive in the compute dtype, gradients
-leave in the dtypes of the operands. Inputs are saved for the backward pass unquantised.
-
-Grouped GEMM (rows sorted by group, as `maxmoe.kernels.grouped_matmul`): tensorwise and
-blockwise run `jax.lax.ragged_dot` on fp8 operands (on GPU XLA rewrites it into a dense dot of
-G x the FLOPs; for a weight gradient over a masked [G, M, D] copy of the rows), except under a
-GPU kernel backend (`moe.grouped_matmul=mosaic_gpu` or tokamax): there tensorwise gives that
-bf16-only kernel (forward, dx, and its weight-gradient kernel for dw) the fp8 values as bf16,
-exact, and rescales, mxfp8's weight gradient goes to the same kernel, and blockwise's forward,
-dx and dw run maxmoe's Pallas Triton kernels
-(`maxmoe.kernels.fp8_grouped`: fp8 dots with the promotion every 128, no padding of
-the groups) wherever Triton lowers; activation scales are per row (per 128 columns), weight
-scales per group (per block). The weight gradient's contraction runs over each group's rows,
-so its scales are one per (group, column) there (blockwise) rather than 128-row tiles, which
-would need a partial sum per tile. mxfp8 rounds operands to MXFP8 and runs the configured
-grouped backend on the exact bfloat16 values. The dry run's balanced stand-in counts as a
-kernel backend: its program holds what the kernels hold.
-
+docs/KERNELS.md, "FP8 GEMMs" has each recipe's GEMM programs and the grouped backends' paths.
 Legend: M rows, K contraction, N output columns, D embed, F expert_mlp, G groups.
 """
 

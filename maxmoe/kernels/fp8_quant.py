@@ -1,24 +1,15 @@
 """FP8 quantisation: values in e4m3 / e5m2 with one scale per block of a 2-D array.
 
-A block is (rows, cols) of the array; a dimension of size 0 in the block means "the whole
-dimension" (per-tensor scaling is block (0, 0)). The recipes of `model.fp8` use:
+    q_RC, scale = quantize(x_RC, E4M3, block=(1, 128))      x ~ dequantize(q_RC, scale, block)
 
-| recipe | activations / grads | weights | scale |
-|---|---|---|---|
-| tensorwise | whole tensor | whole tensor | float32, amax / max |
-| blockwise (DeepSeek-V3) | 1 x 128 along the contraction | 128 x 128 | float32, amax / max |
-| mxfp8 (OCP MX) | 1 x 32 along the contraction | 32 x 1 along the contraction | e8m0, a power of two |
+A block is (rows, cols) of the array; a dimension of 0 means the whole dimension (per-tensor
+scaling is block (0, 0)). Float32 scales put a block's largest magnitude on the format's largest
+finite value; `power_of_two=True` gives e8m0 scales, the smallest power of two that keeps the
+block in range (nothing saturates). A block of zeros gets scale 1; rounding is to nearest even,
+after clipping to the finite range; blocks at ragged edges are the partial blocks that remain,
+scaled from their own elements. `segment_quantize` scales per (segment of rows, column).
 
-Scaling: x ~ q * s with q = fp8(x / s). For float32 scales s = amax x (1 / max(format)), so the
-largest magnitude of a block lands on the format's largest finite value (448 for e4m3, 57344
-for e5m2). For e8m0 scales s = 2 ** ceil(log2(amax / max)): the smallest power of two
-that keeps the block in range, so nothing saturates (the OCP spec's floor rule would clip
-the block's largest values; NVIDIA's MXFP8 recipe rounds the exponent up for this reason).
-A block of zeros gets scale 1. Rounding to fp8 is round-to-nearest-even (XLA's convert),
-after clipping to the finite range (the fn formats have no infinity: overflow would be NaN).
-Blocks at ragged edges (a dimension not a multiple of the block) are the partial blocks
-that remain; their scale comes from their own elements only.
-
+docs/KERNELS.md, "FP8 GEMMs" ("Quantisation") has each recipe's blocks and the scaling rules.
 Legend: R rows, C columns, r/c block rows/columns (the scale grid is ceil(R/r) x ceil(C/c)).
 """
 

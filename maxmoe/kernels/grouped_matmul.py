@@ -1,28 +1,18 @@
 """Grouped matmul: rows of x, sorted by group, each multiplied by its group's weight.
 
-Legend: M rows, D input features, F output features, G groups (local experts).
+    y_MF = grouped_matmul(x_MD, w_GDF, group_sizes_G, backend="mosaic_gpu")
+    y_MD = grouped_swiglu(x_MD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, backend=...)
+    dw_GDF = grouped_wgrad(x_MD, dy_MF, group_sizes_G, backend=...)      the weight gradient alone
 
-Backends (`moe.grouped_matmul`; `auto` is resolved per platform by
-`maxmoe.kernels.choice.resolve_grouped_matmul` before a program is built):
-  "ragged_dot"  `jax.lax.ragged_dot`. On XLA:CPU a loop over groups; on XLA:GPU it is
-                rewritten into one dense dot over a group-broadcast, masked copy of the
-                rows: G times the useful FLOPs, padding rows included. The CPU choice.
-  "mosaic_gpu"  jax's Pallas Mosaic GPU ragged-dot kernels (Hopper): only the valid row
-                tiles, forward and both gradients on the kernels
-                (`maxmoe.kernels.mosaic_ragged_dot`). bf16/f16; sizes multiples of 64.
-  "tokamax"     tokamax's ragged dot (`pip install tokamax`: Python >= 3.12, jax >= 0.11.1):
-                the library picks its Mosaic GPU (Hopper, Blackwell) or Triton kernel and
-                brings its own VJP; on CPU its XLA reference. Cannot be lowered without a GPU.
-  "dense_loop"  a plain loop over groups that masks rows and does a full matmul per
-                group: G times the FLOPs, kept as the test oracle and for debugging.
-  "balanced_stand_in"  dry runs only, never a config choice: one batched GEMM over G
-                equal blocks of rows (what balanced routing gives), so a program compiled
-                on CPU holds the GPU kernels' buffers -- rows in, rows out, dx, dw --
-                instead of XLA:CPU's expansion of ragged_dot, whose gradient broadcasts
-                the rows to a masked [G, M, D] copy (32 local experts: 32 x). Its values
-                ignore the group sizes.
-Pallas kernels are not partitioned by GSPMD: under a mesh they are called inside the
-dispatch's shard_map, on local arrays only.
+Backends (`moe.grouped_matmul`, `auto` resolved by `maxmoe.kernels.choice` before a program is
+built): "ragged_dot" (`jax.lax.ragged_dot`, G x the useful FLOPs on XLA:GPU; the CPU choice),
+"mosaic_gpu" (jax's Hopper kernels, `maxmoe.kernels.mosaic_ragged_dot`), "tokamax", "dense_loop"
+(the test oracle) and the dry run's "balanced_stand_in" (never a config choice: the kernels'
+buffers on CPU, values ignoring the group sizes). Rows past sum(group_sizes) give zeros, groups
+may be empty, accumulation is float32. GSPMD does not partition Pallas kernels: under a mesh
+they run inside the dispatch's shard_map. docs/KERNELS.md, "Grouped GEMM backends" has what
+each backend runs and costs.
+Legend: M rows, D input features, F output features, G groups (local experts).
 """
 
 import jax

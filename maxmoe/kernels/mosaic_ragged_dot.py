@@ -1,27 +1,17 @@
 """Grouped GEMM on Hopper GPUs from jax's own Pallas Mosaic GPU kernels, forward and both gradients.
 
-Kernels (jax.experimental.pallas.ops.gpu, the same API in jax 0.10.2, 0.11.x and 0.12):
-  ragged_dot_mgpu.ragged_dot                   out[M, N] = x[M, K] @ w[g] per row group;
-                                               `transpose_rhs=True` reads w as [G, N, K] (dx)
-  transposed_ragged_dot_mgpu.transposed_ragged_dot
-                                               dw[G, K, N] = x_g^T @ dy_g over each group's rows
-                                               (also alone: `mosaic_grouped_wgrad`)
-Both use `wgmma` (sm_90a): Hopper only. They take bf16/f16 operands (accumulating in f32) and
-need K divisible by the K block. The module is an example that may move between jax
-releases, so it is imported here only, and an import failure is reported as one clear error.
+    y_MN = mosaic_grouped_matmul(x_MK, w_GKN, sizes_G)     # differentiable in x and w
+    dw_GKN = mosaic_grouped_wgrad(x_MK, dy_MN, sizes_G)     # the transposed kernel alone
 
-What this wrapper adds:
-- a custom VJP: dx by the forward kernel over the transposed weights, dw by the transposed
-  kernel; jax's own VJP of the kernel does not exist.
-- rows past sum(group_sizes) are zero in the output and in dx (the kernel leaves them
-  unwritten), so padded receive buffers behave as with `jax.lax.ragged_dot`.
-- work that scales with the valid rows: the forward kernel walks every row tile of its
-  input, valid or not, so the rows are cut to the smallest of `BUCKETS` static prefixes
-  (multiples of the row block) that holds them, chosen at run time by `lax.switch`; only
-  that branch runs. A buffer without padding (one device: every row valid) builds one. The weight-gradient kernel visits only each group's own row blocks.
-- the SM count: the transposed kernel reads `jax.devices()[0].core_count`, which a CPU host
-  lowering for CUDA does not have; there the target's count is supplied (`HOPPER_SMS`).
+The contract of `maxmoe.kernels.grouped_matmul`: rows past sum(sizes_G) are zero (in the output
+and in dx), the result has x's dtype. The kernels (`jax.experimental.pallas.ops.gpu`'s ragged
+dot and transposed ragged dot) use `wgmma` (sm_90a, Hopper only), take bf16/f16 operands and
+need K divisible by the K block; they are imported here only, and an import failure is one
+clear error (`KernelUnavailable`). The wrapper adds the custom VJP, the zeroed padding rows, row
+buckets (`BUCKETS` static prefixes picked by `lax.switch`, so the forward's work follows the
+valid rows) and the SM count when lowering for CUDA on a CPU host (`HOPPER_SMS`).
 
+docs/KERNELS.md, "Grouped GEMM backends" ("The Mosaic GPU wrapper") has the mechanics.
 Legend: M rows, K contraction, N output features, G groups.
 """
 

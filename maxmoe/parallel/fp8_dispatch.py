@@ -1,23 +1,17 @@
 """`moe.fp8_dispatch`: the dispatch's ragged all-to-all moves rows in e4m3 with their scales.
 
-DeepSeek-V3 quantises the activations before the dispatch so that the all-to-all carries
-FP8, and keeps the combine in bf16. Here each row is quantised per tile of its features
-(the tiles the expert GEMM quantises by: 1x128 with float32 scales for tensorwise and
-blockwise, 1x32 with power-of-two scales for mxfp8, sent as one int8 exponent each), the
-values and the scales cross the expert axis in two ragged all-to-alls with the same offsets,
-and the receiver dequantises them into the rows' dtype. Requantising those rows in the
-expert GEMM gives back the same fp8 values, so the exchange adds no rounding of its own.
+    received_MD = fp8_ragged_exchange(rows_MD, input_offsets, send_sizes, output_offsets,
+                                      recv_sizes, buffer_rows=M, axis_name=..., a2a_impl=..., recipe=...)
 
-The backward pass sends the rows' gradient back in the rows' dtype (the transpose of the
-exchange, a ragged all-to-all the other way): the quantisation is passed straight through,
-as FP8 training does for every quantised operand.
+Arguments as `jax.lax.ragged_all_to_all`'s. Each row is quantised per tile of its features (the
+tiles the expert GEMM quantises by: `TILE`), values and scales cross the expert axis in two
+ragged all-to-alls with the same offsets, and the receiver dequantises into the rows' dtype, so
+requantising in the expert GEMM gives the same fp8 values. The backward pass sends the gradient
+back in the rows' dtype (quantisation passed straight through). What arrives is named
+`FP8_DISPATCH_ROWS` for remat policies; `payload_bytes_per_row` gives the bytes on the wire
+(0.52 of bf16's).
 
-What arrives is named `FP8_DISPATCH_ROWS` (values and scales), the collectives' output: a remat
-policy that keeps collectives' outputs keeps the fp8 payload, about half the dequantised rows'
-bytes, and dequantises it again in the backward pass (elementwise; no all-to-all again).
-
-Bytes per row of D features: D (values) + 4 D / 128 (float32 scales) or D + D / 32
-(exponents), against 2 D in bf16: 0.52 and 0.52 of it.
+docs/KERNELS.md, "FP8 GEMMs" ("FP8 dispatch") has the reasoning and the byte counts.
 """
 
 from __future__ import annotations
