@@ -1,24 +1,18 @@
 """Parameter counts, model FLOPs per token, and the hardware peak table for MFU.
 
-Counts are closed forms in the model config, module by module, so this needs neither the
-model nor jax; tests/test_info.py holds them equal to the model's own parameter shapes.
-FLOPs follow the usual convention:
+    count_params(model_config)                    params_total, params_mtp, params_active
+    flops_per_token(model_config, seq_len)        training FLOPs per token, MTP included
+    mfu(tokens_per_s_per_device, flops_token, peak_tflops(device_kind))     None without a peak
 
-    flops_per_token = 6 * (active matmul parameters of the main model, output head included,
-                           embedding lookup excluded)
-                    + 6 * (active matmul parameters of each MTP depth, its own head matmul
-                           included since the shared head runs once more per depth)
-                    + attention core: 6 * (causal) * L * T * H * (qk_head_dim + v_head_dim)
-                      per token for each attention layer, with the causal half
-                      (T/2 keys on average): 3 * T * H * (dk + dv) per layer.
+flops_per_token = 6 x the active matmul parameters (main model with its head, each MTP depth
+with the head again; the embedding lookup excluded; top-k routed and shared experts) + the
+causal attention core, 3 x T x H x (qk_head_dim + v_head_dim) per layer. The other
+`*_per_token` functions split it by part, by GEMM class, into what remat recomputes, context
+parallelism's up-projections, pipeline pieces and the FP8 share (`fp8_flops_per_token`).
+Closed forms in the model config: neither the model nor jax is needed, and tests/test_info.py
+holds the counts equal to the model's own parameter shapes.
 
-6 = 2 (multiply-add) x 3 (forward + backward for inputs + backward for weights).
-Activated experts: top-k routed experts + shared experts of each MoE layer.
-
-With `model.fp8` set, fp8_flops_per_token is the part of those FLOPs that runs as FP8 GEMMs:
-every attention projection, the dense MLPs, the shared and the activated routed experts, in
-the main model and in each MTP depth; the router, the attention core, the head and MTP's
-[2D, D] projection stay in the compute dtype (maxmoe.kernels.fp8_matmul's recipes).
+docs/PERFORMANCE.md, "Model FLOPs" has the convention in full.
 """
 
 from __future__ import annotations

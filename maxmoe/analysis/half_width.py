@@ -1,19 +1,17 @@
 """Compile a lowered program with float16 standing in for bfloat16, for GPU-like memory figures.
 
-XLA:CPU has no bf16 dot: its float normalisation converts each bf16 dot operand to f32, and
-loop-invariant code motion then hoists those converts out of loops as whole-stack f32 copies
--- of the residuals a remat policy saves for the backward pass, and of the bf16 weights a
-layer scan reads -- which sit beside the bf16 stacks they copy. A GPU runs bf16 dots natively
-and holds neither. XLA:CPU does run f16 dots and collectives natively, and float16 has
-bfloat16's width, so the same program with every bf16 type written f16 gets the buffer
-assignment the GPU's bf16 program would (the values differ; nothing runs). Turning code
-motion off instead removes the copies but also leaves weight gathers inside loops, which
-understates memory (docs/dev/perf-log.md, 2026-12-04).
+    compiled, replaced = compile_half_width(lowered)     # the dry run's compile
 
-Only where this XLA:CPU widens bf16 dots (`bf16_dots_widened`: jaxlib 0.10's does; 0.12's
-runs them in bf16 and needs no stand-in). The substitution is textual on the StableHLO
-module, debug locations kept (the dry run reads jax's op names from them): element types
-only (`xbf16>`, `<bf16>`), so names, attributes and the FP8 types are untouched.
+XLA:CPU without bf16 dots (jaxlib 0.10's) widens them to f32 and hoists whole-stack f32 copies
+out of loops that a GPU's bf16 program never holds; float16 has bfloat16's width and runs
+natively there, so the program with every bf16 type written f16 gets the GPU's buffer
+assignment (the values differ; nothing runs). Only where this XLA:CPU widens bf16 dots
+(`bf16_dots_widened`; elsewhere the program compiles as lowered, 0 replaced). The substitution
+(`f16_text`) is textual on the StableHLO module, debug locations kept: element types only
+(`xbf16>`, `<bf16>`), so names, attributes and the FP8 types are untouched.
+
+docs/PERFORMANCE.md, "Mesh sweep: `maxmoe.sweep`" (after "What the CPU program gets wrong") has
+the reasoning.
 """
 
 from __future__ import annotations
