@@ -6,24 +6,13 @@
     mtp(outer, outer_state, h, tokens)     final norm -> MTP depths, their head  (stage 0, the tick after)
 
 Every layer, dense or MoE, takes a slot of the stage plan (maxmoe.parallel.pipeline_schedule.
-SlotLayout), so the dense layers spread over the stages like the rest instead of riding
-with the embedding on stage 0 (at 671B each costs what a MoE layer's active experts do).
-The slots hold the MoE stack's parameters (`moe_layers`, cut into stages); a dense layer
-has another structure (a dense SwiGLU instead of experts), so its slot reads the dense
-stack from the outer parameters (`shared`: every stage holds the outer parameters to
-compute with) and the MoE stack's entry there stays zero. The head and MTP run on two
-stages, the head with the loss on the last, MTP as the pipeline's tail on stage 0, which
-holds no layer slot's work but the embedding's: at 671B the head and MTP together cost
-about four MoE layers. MTP reads the embedding and the head too: every parameter outside
-the stack ("outer") is on every stage, and its gradient is summed over stages once per step.
-
-A chunk's `state` holds its router biases, a [S] mask of MoE slots and a [S] index of the
-dense layer in each slot (-1: none); a slot with neither is skipped. The kind of a slot
-differs only between stages, so the collectives inside run on all devices of a stage or on
-none.
-
-The functions run inside the pipeline's shard_map, so each rebinds the layout to the mesh
-jax traces under (Layout.on_context_mesh); they name logical axes only.
+SlotLayout). The slots hold the MoE stack (`moe_layers`, cut into stages); a dense slot reads the
+dense stack from the outer parameters (`shared`), which every stage holds. A chunk's `state`
+holds its router biases, a [S] mask of MoE slots and a [S] dense-layer index (-1: none); a slot
+with neither is skipped. The functions (make_first, make_chunk, make_head, make_mtp) run inside
+the pipeline's shard_map: each rebinds the layout to the mesh jax traces under
+(Layout.on_context_mesh); they name logical axes only. docs/SHARDING.md, "Pipeline stages" has
+where each piece runs and why.
 """
 
 from __future__ import annotations

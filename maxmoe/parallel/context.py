@@ -1,29 +1,16 @@
 """Context parallelism for MLA: sequences in zigzag chunks over `context`, the latents all-gathered.
 
-With mesh.context = C each sequence of T tokens is cut into 2C chunks of T / 2C; device d of
-the context axis holds chunks d and 2C-1-d (the zigzag split), so under the causal mask every
-device has the same share of the score triangle: chunk d sees d + 1 chunks of keys, chunk
-2C-1-d sees 2C - d, 2C + 1 in all on every device. The model lays its activations out in
-that order from the first embedding on (`zigzag_order`: the natural positions in layout order;
-positions, RoPE, MTP's shifted inputs, targets and loss masks are all computed in natural
-order and then permuted by it), so everything but attention is per token and never notices.
+    order_T = zigzag_order(T, C)              # the natural positions in layout order
+    core = latent_attention(forward, backward, mesh, batch_axes, head_axes)    # the layout's core
 
-Attention needs every earlier key. MLA makes them cheap to share: a token's keys and values
-are up-projected from one normalised latent (kv_lora_rank values) and one post-RoPE key shared
-by all heads (qk_rope_head_dim values), 512 + 64 for DeepSeek-V3, against 128 heads x
-(192 + 128) for the materialised keys and values -- 71x fewer bytes. `latent_attention`
-all-gathers those 576 values per token over `context` (one all-gather per layer, both pieces
-concatenated; its transpose, a reduce-scatter, returns their gradients), puts the gathered
-sequence back into natural order with a static permutation, and runs the model's attention
-core on the device's own queries against the whole sequence's latents. The core
-(`maxmoe.model.attention_ops.latent_attention`) up-projects the latents block by block inside
-its key loop, so keys and values of the whole sequence never exist at once.
+With mesh.context = C device d of the context axis holds chunks d and 2C-1-d of 2C (every device
+the same share of the causal scores); the model permutes once, at the embedding (positions,
+targets and masks computed in natural order), so everything but attention never notices.
+`latent_attention` all-gathers each token's MLA latent and rope key over `context` (one
+all-gather per layer; its transpose reduce-scatters their gradients), puts them back in natural
+order and runs the core (maxmoe.model.attention_ops.latent_attention) on the device's own queries.
 
-Everything outside attention treats `context` as more data parallelism: MoE layers shard
-experts over context x expert (the same devices: expert parallelism does not shrink) and
-dispatch each device's own tokens; gradients are reduced and ZeRO-sharded over it like
-`data` (maxmoe.parallel.mesh).
-
+docs/SHARDING.md, "Context parallelism" has the reasoning (zigzag, why latents, the expert fold).
 Axis legend: B batch, T time (local queries), S time (all keys), L latent + rope key values,
 H heads, K head dim, C context size.
 """

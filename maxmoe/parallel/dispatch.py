@@ -1,57 +1,17 @@
 """Routed experts on one device or expert-parallel over a mesh: route -> exchange -> grouped SwiGLU -> back.
 
-`routed_experts` is what the model calls. With no plan (one device) every expert is
-local and `local_routed_experts` runs. On a mesh, `make_dispatch_plan` (called by
-`maxmoe.parallel.layout.build_layout`) returns a `DispatchPlan` whose `routed_experts` enters
-`jax.shard_map` over the whole mesh and runs one strategy per shard
-(`maxmoe.parallel.dispatch_shard`):
+    plan = make_dispatch_plan(mesh, moe_config, token_axes=..., weight_specs=...)   # build_layout's
+    y_BTD, dropped = routed_experts(x_BTD, ids_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, plan=plan)
 
-  ragged_a2a  sort copies by expert; all-gather counts over `expert`; ragged all-to-all
-              out; grouped SwiGLU on the local experts; ragged all-to-all back. Dropless
-              by default; `moe.buffer_factor > 0` bounds the receive buffer and drops.
-  allgather   all-gather tokens over `expert`; local experts on all of them;
-              reduce-scatter back. Dropless; moves P times the tokens.
-  capacity    ceil(capacity_factor x n x K / E) slots per (shard, expert); dense
-              all-to-all; copies past capacity dropped.
+`routed_experts` is what the model calls (plan=None on one device: every expert local); it
+returns the routed output and the fraction of token copies dropped. On a mesh the plan's
+`routed_experts` enters `jax.shard_map` over the whole mesh and runs one `moe.dispatch` strategy
+per shard (`maxmoe.parallel.dispatch_shard`): `ragged_a2a` (dropless unless `moe.buffer_factor`
+bounds the buffer), `allgather` (dropless) or `capacity`. Options: `moe.overlap=batch_split`
+(two independent halves; equal to `none` whenever nothing is dropped), `moe.a2a_chunks`,
+`moe.fp8_dispatch`. Padding tokens (expert id E) are never sent.
 
-Sharding inside the shard_map (P = size of `expert`):
-
-| array | dims | spec |
-|---|---|---|
-| tokens x, ids, weights | N=B*T, ... | (token axes + data + expert), - |
-| w_gate, w_up | E, D, F | expert, -, tensor if F is sharded |
-| w_down | E, F, D | expert, tensor if F is sharded, - |
-
-Tokens are replicated over `tensor`; when F is sharded each tensor rank computes a
-partial sum of the down projection, reduced by one psum over `tensor` on the combined
-[n, D] output (K times smaller than the copies). D enters unsharded: under FSDP XLA
-all-gathers the weight shards before the shard_map and reduce-scatters their gradients.
-Receive buffer (ragged_a2a): a token's top-k experts are distinct, so it sends at most
-min(K, L) copies to one expert rank (L = E / P local experts); the dropless worst case,
-every token of every source choosing the same rank, is P x n x min(K, L) rows per rank
-(n tokens per shard) -- P times the n x K rows it holds on average. With
-`moe.buffer_factor` = b > 0 the buffer is min(ceil(b x n x K), that bound) rows; rows
-that do not fit are not sent (later sources' highest local experts first), their copies
-contribute zero and are counted in the dropped fraction.
-
-Overlap (`moe.overlap=batch_split`): inside the shard_map each shard's n tokens run the
-strategy as two halves, rows [0, ceil(n/2)) and the rest, each with its own count exchange,
-buffer and collectives; nothing of one half feeds the other, so XLA's latency-hiding
-scheduler may run one half's all-to-all under the other half's expert GEMMs (a test reads
-the CUDA lowering for that). The shared expert, in maxmoe.model.moe, reads only the layer
-input: it has no data dependence on either half's exchange, which is what lets the scheduler
-put it between dispatch and combine; JAX cannot pin an op there itself. Results equal
-`none` whenever nothing is dropped (dropless ragged_a2a, allgather, capacity that fits);
-bounded buffers and capacity are sized per half, so each half drops on its own and the
-dropped copies may differ from `none`'s. Cost: twice the collectives, each half the size.
-Chunks (`moe.a2a_chunks` = c): each (source, rank) block of a ragged all-to-all travels as
-c slices, c x P in all; the rows and where they land do not change. XLA:GPU's one-shot
-ragged kernel gives each slice its own thread blocks, so with one slice per peer few blocks
-move all the data; NCCL's send/recv fallback instead pays per slice (maxmoe.xla_flags).
-
-When B*T is not a multiple of the number of token shards, padding tokens (expert id E,
-weight 0) fill the last shard; they are never sent and never counted.
-
+docs/SHARDING.md, "Expert dispatch" has the strategies, specs, buffer bound, overlap and chunks.
 Axis legend: B batch, T time, D embed, E experts, F expert_mlp, N tokens, K top-k, M rows.
 """
 

@@ -1,34 +1,18 @@
 """What one shard runs inside `shard_map` for each expert-parallel dispatch strategy.
 
-Every function here sees local arrays only: n token rows of this (data, expert) shard,
-the L = E / P experts of this expert rank (P = size of the expert axis), and the F slice
-of this tensor rank. Each returns this shard's partial output [n, D] (a partial sum over
-F slices when F is sharded over `tensor`; the caller reduces it), the number of token
-copies it dropped, and the number of real copies it routed. Token copies whose expert id
-is E (one past the last expert) are padding: never sent, never counted, output zero.
+    y_nD, dropped, routed = ragged_a2a_shard(x_nD, expert_ids_nK, weights_nK, w_gate_LDF, w_up_LDF,
+        w_down_LFD, num_experts=E, buffer_rows=M, ...)      # allgather_shard, capacity_shard alike
 
-Values a remat policy may keep carry a name (`jax.ad_checkpoint.checkpoint_name`): every
-collective's output, so that a policy saving `COMM_NAMES` runs no collective again in the
-backward pass, and the expert GEMMs' gate/up outputs (`EXPERT_MATMUL_NAMES`). The names
-reach the policy of an `nn.remat` around the dispatch's shard_map: shard_map's partial-eval
-rule hands the policy its body, and a saved value leaves the shard_map as a residual.
-
-| name | value (per shard) | bytes kept per MoE layer |
-|---|---|---|
-| moe_dispatch_counts | all-gathered per-expert counts [P, E] int32 (ragged_a2a) | 4 P E |
-| moe_dispatch_rows | rows received for the local experts [M, D]; allgather: gathered x [P n, D]; capacity: [E, C, D] | M D b, the whole buffer |
-| moe_fp8_dispatch_rows | moe.fp8_dispatch: the received e4m3 rows [M, D] and their scales (instead of moe_dispatch_rows) | M (D + 4 D / 128) or M (D + D / 32) |
-| moe_dispatch_meta | allgather: gathered expert ids and weights | small |
-| moe_combine_rows | expert outputs back at their token copies [n K, D]; capacity: [E, C, D] | n K D b |
-| moe_expert_gate_up | the grouped gate/up GEMM's output [M, 2F], any backend (grouped_matmul.py) | 2 M F b |
-| ragged_a2a_emulated_offsets | the CPU emulation's offset exchange (collectives.py) | 4 K |
-
-The counts must be kept with the rows: the backward ragged all-to-all needs the offsets
-computed from them, and without them the count all-gather would run again.
-
-Legend: n tokens of this shard, D embed, F expert_mlp slice, E experts, L local experts,
-P expert-axis size, K top-k, M rows of a buffer, C capacity slots per expert, b bytes of
-the compute dtype.
+Every function here sees local arrays only: n token rows of this (data, expert) shard, the L
+local experts of this expert rank and the F slice of this tensor rank. Each returns this shard's
+partial output [n, D] (a partial sum over F slices when F is sharded over `tensor`; the caller
+reduces it), the number of token copies it dropped and the number of real copies it routed.
+Token copies whose expert id is E are padding: never sent, never counted, output zero. Every
+collective's output and the expert gate/up GEMM's output carry a checkpoint name
+(`maxmoe.parallel.names`) a remat policy can keep; docs/ARCHITECTURE.md, "Remat" has each
+name's value and bytes, docs/SHARDING.md, "Expert dispatch" the strategies.
+Legend: n tokens of this shard, D embed, F expert_mlp slice, E experts, L = E / P local experts,
+P expert-axis size, K top-k, M rows of a buffer, C capacity slots per expert.
 """
 
 from __future__ import annotations

@@ -1,47 +1,17 @@
 """The pipeline executor: shard_map over `pipeline`, explicit forward and backward ticks.
 
-    grad_fn = pipeline_value_and_grad(fns, schedule, mesh)
-    loss, (stage_grads, outer_grads_P), (stage_stats, post_stats) = grad_fn(
-        stage_params, stage_state, outer_params, outer_state, inputs)
+    loss, (stage_grads, outer_grads_P), (stage_stats, post_stats) = pipeline_value_and_grad(
+        fns, schedule, mesh)(stage_params, stage_state, outer_params, outer_state, inputs)
 
-The model arrives as pure functions (`PipelineFns`):
-  * pre(outer, outer_state, inputs_m) -> x: the embedding; stage 0 runs it when micro-batch
-    m enters chunk 0, and re-runs it under jax.vjp for its backward.
-  * stage((chunk_params, shared), chunk_state, x) -> ((y, aux_loss), stats): one chunk of
-    the layer stack; every stage runs one per tick (idle stages compute on placeholders and
-    discard). shared = {key: outer[key] for key in fns.shared}: outer parameters a chunk
-    reads too (the dense layers, which take slots of the stage plan), differentiated with
-    the chunk; their gradients join the outer gradients of the stage that ran them.
-  * post(outer, outer_state, y, inputs_m) -> (loss, stats): norm, head, loss; stage P-1
-    runs it as one jax.vjp right after the last chunk's forward; its cotangent waits in a
-    register for the last chunk's backward.
-  * tail(outer, outer_state, y, inputs_m) -> (loss, stats), optional (MTP): a second loss
-    on the last chunk's output, run by stage 0 as one jax.vjp the tick after, on the output
-    the forward ring brings around from stage P-1; its cotangent of y goes back on the
-    backward ring and joins post's at the last chunk's backward, one tick later than without
-    a tail (the schedule's turnaround 2). Its stats have post's structure and are summed
-    with them.
-pre, post and tail sit in lax.cond on a per-stage predicate, so only their stage spends
-their FLOPs; their collectives (data/expert/tensor, inside one stage) are issued by every
-device of that stage together.
+The model arrives as pure functions (`PipelineFns`): `pre` (the embedding, on stage 0), `stage`
+(one chunk of the layer stack, every stage every tick), `post` (norm, head, loss; stage P-1) and
+an optional `tail` (MTP, stage 0 the tick after; needs a schedule of turnaround 2). The loss is
+the model's averaged over micro-batches (chunk aux losses weighted by `aux_weight`) and the
+gradients are exactly its gradients, never taken by differentiating the loop: each forward tick
+keeps its chunk's `jax.vjp` residuals in a ring of `schedule.slots` per stage. Only `pipeline`
+is manual; data/expert/tensor stay automatic. `pipeline_forward`: the forward ticks alone (eval).
 
-The loss is mean_m (post_loss_m + tail_loss_m) + aux_weight * mean_m sum(aux losses of
-the chunks): the model's loss averaged over micro-batches, as gradient accumulation
-computes it. Gradients are exactly its gradients; they are never taken by differentiating
-the loop (that keeps every micro-batch's activations alive, GPipe's memory). Instead each
-forward tick runs jax.vjp of its chunk and puts the residuals in a ring of
-`schedule.slots` entries per stage (at most P*V + P - 1 items, one more with a tail,
-however many micro-batches); the backward tick rebuilds the VJP from the ring. Residuals that are the chunk's own parameters are not copied. What the
-residuals are is the stage function's choice (its remat policy): per-layer remat keeps
-layer inputs, none keeps every activation. residuals="recompute" keeps the chunk input only
-and re-runs the chunk in the backward (public API only; one more chunk forward per item).
-
-Only `pipeline` is manual in the shard_map: data/expert/tensor stay automatic, so sharding
-constraints and the expert dispatch's own shard_map work inside as outside, on the context's
-abstract mesh (maxmoe.parallel.layout.Layout.on_context_mesh). check_vma is off: with it on, Shardy's
-verifier rejects the dispatch's nested manual computation on jax 0.10; the executor sums
-only per-stage accumulators and never differentiates through the shard_map.
-
+docs/SHARDING.md, "Pipeline stages" ("The executor") has each function's role and the reasoning.
 Axis legend: P stages, V chunks per stage, S layer slots per chunk, M micro-batches, K ring slots.
 """
 

@@ -1,42 +1,17 @@
 """What runs where and when in the pipeline: the circular 1F1B tick tables and the layer slots.
 
-P stages (the `pipeline` mesh axis), V chunks per stage (`mesh.pipeline_virtual`), M
-micro-batches (`train.grad_accum`). Chunk c = v*P + p lives on stage p (circular
-placement), so a micro-batch visits stages 0, 1, ..., P-1, 0, 1, ... and every hop goes
-to the next stage on a ring. The forward of micro-batch m, chunk v on stage p runs at tick
+    schedule = build_schedule(stages=P, virtual=V, micro=M, turnaround=R)   # tables [ticks, P]
+    layout = SlotLayout(layers, stages, virtual, pad_front, dense)          # layers -> V x P x S slots
 
-    t_F(m, v, p) = (m // P) * P*V + v*P + (m % P) + p
+Chunk c = v*P + p lives on stage p (circular placement): every hop goes to the next stage on a
+ring, and every input was produced by its neighbour exactly one tick before, so one collective
+permute per direction per tick carries the activations. A stage runs at most one forward and
+one backward per tick; the last chunk's backward follows its forward after the turnaround R (1,
+or 2 with a tail on stage 0). `build_schedule` checks every dependency and the slot reuse. With
+M a multiple of P the bubble is (P - 1) / (M*V + P - 1) whatever R (`analytic_bubble`), and the
+residual ring holds min(P*V + P - 1, M*V) items (one more with a tail), bounded by the stages.
 
-and its backward at
-
-    t_B(m, v, p) = P*V + (m // P) * P*V + (V-1-v) * P + (m % P) + (P-1-p) + (R - 1).
-
-Every input was produced by its neighbour exactly one tick before (forward: stage p-1, or
-stage P-1 for the previous chunk; backward: stage p+1, or stage 0 of the next chunk), so
-one collective permute per direction per tick carries the activations and no receive
-buffers are needed. A stage does at most one forward and one backward per tick. The last
-chunk's backward starts R ticks after its forward (the turnaround, 1 or 2): with R = 1 the
-tick after, on the cotangent of the loss computed with the forward; with R = 2 the model's
-output also goes on around the ring to stage 0, which computes a second loss from it (the
-pipeline's `tail`: MTP) in the next tick and returns that loss's cotangent on the backward
-ring. Both ring directions are free for it then: at that tick stage 0 runs the forward of a
-chunk 0 (whose input is the embedding's, not the ring's), and no backward of a chunk v > 0
-(its cotangent would reach stage P-1 in the same tick as the last chunk's backward).
-
-Phases: warm-up ticks [0, P*V + R - 1) forward only, steady ticks one forward and one
-backward, cool-down ticks [T_F, T) backward only. A step costs T_F x (f + b) for a chunk's
-forward f and backward b, against M*V x (f + b) without stages; with M a multiple of P,
-T_F = M*V + P - 1, so
-
-    bubble = (P - 1) / (M*V + P - 1),
-
-whatever R: R = 2 turns one steady tick into a forward-only one before and a backward-only
-one after (T_F x (f + b) still).
-
-Between an item's forward and its backward a stage keeps the item's residuals in a ring of
-slots, allocated statically (a tick's backward frees its slot before the tick's forward
-takes one): K = min(P*V + P - 1, M*V) slots, bounded by the stages, not by M.
-
+docs/SHARDING.md, "Pipeline stages" ("Ticks") has the tick formulas, the phases and why.
 Axis legend: P stages, V chunks per stage, M micro-batches, S layer slots per chunk.
 """
 
