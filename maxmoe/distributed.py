@@ -1,30 +1,17 @@
 """jax.distributed initialisation: one JAX process per host (or per GPU), no home-made launcher.
 
-`dist.mode`:
-  none      single process; nothing to do.
-  explicit  jax.distributed.initialize(coordinator_address, num_processes, process_id) from
-            the config (dist.coordinator_address, dist.num_processes, dist.process_id).
-  auto      with dist.coordinator_address given: as explicit (the config validates that
-            num_processes and process_id come with it, and refuses them without it, so no
-            dist.* key is ever silently ignored; under `none` they are refused too).
-            Otherwise initialise only when the environment shows a multi-process launch:
-              SLURM      SLURM_NTASKS > 1 (srun sets it; JAX reads the rest of SLURM_*)
-              OpenMPI    OMPI_COMM_WORLD_SIZE > 1 (mpirun; JAX reads OMPI_* itself)
-              JobSet     JOBSET_NAME (Kubernetes JobSet; see examples/kubernetes)
-              explicit   JAX_COORDINATOR_ADDRESS
-            otherwise (a laptop, one GPU host, a notebook) nothing happens.
+    initialize(config.dist)          # before any jax computation, like xla_flags.apply
 
-Where JAX_COORDINATOR_ADDRESS is set, maxmoe also reads JAX_NUM_PROCESSES and
-JAX_PROCESS_ID (a maxmoe convention; JAX itself reads only the address) and passes all three,
-so a Kubernetes pod needs neither the `kubernetes` package nor API permissions. Without them
-jax.distributed.initialize() auto-detects SLURM, OpenMPI and Kubernetes on its own.
+`dist.mode`: `none` does nothing; `explicit` calls jax.distributed.initialize with
+dist.coordinator_address, dist.num_processes and dist.process_id; `auto` does the same when an
+address is given, else initialises only when the environment shows a multi-process launch
+(`detect_launch`: SLURM, OpenMPI, a Kubernetes JobSet, JAX_COORDINATOR_ADDRESS with
+JAX_NUM_PROCESSES and JAX_PROCESS_ID read by `auto_arguments`), and on a laptop, one GPU host
+or in a notebook nothing happens. Failures are one-line UserErrors; because jaxlib aborts the
+process on an unreachable coordinator, processes other than 0 first wait up to dist.timeout_s
+for a TCP connection to a known coordinator (`wait_for_coordinator`).
 
-Like xla_flags.apply, `initialize` must run before any jax computation. Failures become
-one-line UserErrors. An unreachable coordinator needs care: in this jaxlib the coordination
-client does not raise, it aborts the whole process (a fatal CHECK, exit status 134, after
-`initialization_timeout`). So when the coordinator address is known (explicit mode, or the
-JAX_* environment), processes other than 0 first wait up to dist.timeout_s for a TCP
-connection to it and report a UserError if none comes.
+docs/ARCHITECTURE.md, "Several processes" has the launchers, the environment convention and why.
 """
 
 from __future__ import annotations

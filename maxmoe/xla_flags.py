@@ -1,36 +1,18 @@
 """XLA GPU flag profiles for compute/communication overlap, applied before the backend starts.
 
-XLA reads `XLA_FLAGS` once, when JAX creates its first backend; `apply` must therefore run
-before any jax computation (`python -m maxmoe.train` calls it first thing). A profile is a
-list of (flag, reason) pairs per system:
+    flags = apply(config)          # first thing, before any jax computation: XLA reads XLA_FLAGS once
+    write_effective(run_dir, flags)                  # run_dir/xla_flags.txt, to rerun with the same
 
-  h100, h200, b200   HGX nodes: 8 GPUs per NVLink domain, so `expert` x `tensor` <= 8
-  gb200, gb300       NVL72 racks: 72 GPUs per NVLink domain, `expert` x `tensor` up to 64
-  none               adds nothing (CPU hosts, debugging, bisecting a flag)
-  auto               picks from `nvidia-smi`'s GPU name; none when there is no NVIDIA GPU
+Profiles (`xla.profile`): h100, h200, b200 (HGX nodes), gb200, gb300 (NVL72 racks), none, and
+auto (from `nvidia-smi`'s GPU name; none without an NVIDIA GPU); `describe` lists a profile's
+(flag, reason) pairs. Precedence, lowest to highest: the profile < `xla.extra_flags` < flags
+already in the `XLA_FLAGS` environment variable, matched by name. A profile also depends on the
+jaxlib (flags it does not know are never given: `jaxlib_version`) and on the expert axis size
+(the ragged all-to-all's transport: `ragged_all_to_all_flags`). `apply` also sets the GPU
+memory fraction; once the backends are up, flags that would change are a UserError.
 
-Precedence, lowest to highest: profile < `xla.extra_flags` (config) < flags already in the
-`XLA_FLAGS` environment variable. The environment wins because it is the most specific,
-last-minute intent (set by whoever launched this one process: a shell, an sbatch script, a
-container image) and because a run must be reproducible by re-exporting the `XLA_FLAGS`
-it recorded (`write_effective`), whatever the config says. Flags are matched by name, so
-`--xla_gpu_enable_command_buffer=` in the environment replaces the profile's value.
-
-A profile depends on two more things:
-
-  the jaxlib   an unknown flag aborts XLA at start-up, and the supported jaxlibs (0.10.2 in
-               CI, 0.11.2 on the GPU images, 0.12) do not know the same flags; flags that
-               exist only from 0.11 on are given only to those (`jaxlib_version`, read from
-               the package metadata: nothing is imported, no backend starts).
-  the expert   the ragged all-to-all's transport depends on how many ranks exchange
-  axis size    (`ragged_all_to_all_flags`): XLA's one-shot kernel for up to 32 ranks of one
-               NVLink domain, NCCL's device-initiated kernel beyond.
-
-tests/test_xla_flags.py starts XLA with every profile on the running jaxlib, and checks
-every flag of every branch against the DebugOptions fields of each supported jaxlib
-(tests/fixtures/xla_debug_options). The values are starting points chosen by the
-arithmetic in the comments and public reports, not yet measured on GPUs; measurements go
-to docs/PERFORMANCE.md.
+docs/ARCHITECTURE.md, "XLA flags" has the profiles, the precedence's reasons and how they are
+tested.
 """
 
 from __future__ import annotations

@@ -1,49 +1,18 @@
 """Hugging Face / DeepSeek-V3 release checkpoints <-> maxmoe parameters.
 
-Import (`python -m maxmoe.convert from-hf`, or `load_pretrained` in a notebook) reads
-config.json (release keys `rope_scaling` + `rope_theta`, or transformers 5.x
-`rope_parameters`) into a ModelConfig, and the safetensors shards into the maxmoe tree,
-one tensor at a time: `safe_open(...).get_tensor(name)` per name, written into its slot of
-the stacked [layers, ...] output. Host memory is the output arrays plus the largest single
-tensor; with a scratch folder (the command line uses one) output arrays of 64 MiB or more
-are memory-mapped `.npy` files, so resident memory stays near one stacked parameter.
-FP8 weights with a `weight_scale_inv` are dequantised block-wise (maxmoe.convert.fp8).
-Export (`to-hf`, maxmoe.convert.hf_export) writes the release layout back with the same
-mapping, streamed from the checkpoint one tensor at a time.
+    config, variables = load_pretrained("path/to/DeepSeek-V3")      # an HF folder or a maxmoe checkpoint
+    convert_from_hf(hf_dir, out)                                       # `python -m maxmoe.convert from-hf`
+    tensors = hf_tensors(model_config)            # the mapping: every HF tensor, its maxmoe slots
 
-Mapping (HF linear weights are [out, in]; maxmoe kernels are [in, out], attention split
-per head). Axis legend: D embed, H heads, N qk_nope, R qk_rope, V v_head, Q q_lora,
-L kv_lora, F mlp, E experts.
+Import reads config.json (the release's `rope_scaling` + `rope_theta`, or transformers 5.x
+`rope_parameters`) into a ModelConfig and the safetensors shards into the stacked maxmoe tree one
+tensor at a time (host memory: the outputs plus the largest tensor; with a scratch folder,
+outputs of 64 MiB or more are memory-mapped). FP8 weights with a `weight_scale_inv` are
+dequantised block-wise (maxmoe.convert.fp8); a release whose rope pairs are not interleaved has
+its rope rows permuted into maxmoe's adjacent pairs. Export (maxmoe.convert.hf_export) writes the
+release layout back with the same mapping.
 
-    model.embed_tokens.weight [vocab, D]           embed.embedding (as is)
-    lm_head.weight [vocab, D]                      head [D, vocab]
-    model.norm.weight                              final_norm.scale
-    layers.i (i < first_k_dense)                   dense_layers[i]
-    layers.i (first_k_dense <= i < num_layers)     moe_layers[i - first_k_dense]
-    layers.(num_layers + k)                        mtp_k.block (+ the MTP-only tensors below)
-      input_layernorm / post_attention_layernorm   attn_norm.scale / mlp_norm.scale
-      self_attn.q_a_proj [Q, D]                    attention.w_q_down [D, Q]
-      self_attn.q_a_layernorm                      attention.q_norm.scale
-      self_attn.q_b_proj [H*(N+R), Q]              attention.w_q_up [Q, H, N+R]
-      self_attn.q_proj [H*(N+R), D] (Q = 0)        attention.w_q [D, H, N+R]
-      self_attn.kv_a_proj_with_mqa [L+R, D]        attention.w_kv_down [D, L] | w_k_rope [D, R]
-      self_attn.kv_a_layernorm                     attention.kv_norm.scale
-      self_attn.kv_b_proj [H*(N+V), L]             attention.w_k_up [L, H, N] | w_v_up [L, H, V]
-      self_attn.o_proj [D, H*V]                    attention.w_out [H, V, D]
-      mlp.{gate,up,down}_proj                      mlp.w_{gate,up,down} [D, F] / [F, D]
-      mlp.gate.weight [E, D]                       moe.router.w_gate [D, E]
-      mlp.gate.e_score_correction_bias [E]         router collection: moe.router.bias
-      mlp.experts.e.{gate,up,down}_proj            moe.w_{gate,up,down}[e]
-      mlp.shared_experts.{gate,up,down}_proj       moe.shared.w_{gate,up,down}
-    MTP only: enorm / hnorm / shared_head.norm     mtp_k.emb_norm / hidden_norm / out_norm
-              eh_proj [D, 2D]                      mtp_k.w_proj [2D, D]
-              embed_tokens, shared_head.head       copies of the shared embedding and head:
-                                                   skipped on import, written on export
-
-RoPE: maxmoe rotates adjacent pairs (2i, 2i+1) of the rope slice, which is what
-transformers does with `rope_interleave: true` (the release). With `rope_interleave: false`
-transformers pairs (i, i + R/2), so import permutes the rope rows of q_b_proj/q_proj and
-kv_a_proj_with_mqa into adjacent pairs; export always writes `rope_interleave: true`.
+docs/ARCHITECTURE.md, "Hugging Face checkpoints" has the tensor mapping, its legend and RoPE's pairs.
 """
 
 from __future__ import annotations

@@ -3,17 +3,14 @@
     convert_to_hf(checkpoint, out)        `python -m maxmoe.convert to-hf`: from a checkpoint on disk
     export_hf(model, variables, out)      from parameters in memory (a notebook)
 
-Both write config.json in the release's key style and model.safetensors (or numbered shards
-and model.safetensors.index.json) that transformers' DeepseekV3ForCausalLM loads. A shard's
-header is written first, from the shapes the mapping (maxmoe.convert.hf.hf_tensors) knows;
-then each tensor is built, cast and appended, and dropped before the next.
+Both write config.json in the release's key style and model.safetensors (or numbered shards and
+model.safetensors.index.json) that transformers' DeepseekV3ForCausalLM loads: each shard's
+header first, from the shapes the mapping (maxmoe.convert.hf.hf_tensors) knows, then each tensor
+built, cast, appended and dropped before the next. From a checkpoint the model is never held:
+`CheckpointArrays` reads each HF tensor's slices straight from the stored arrays, so host memory
+is one HF tensor plus the storage chunks it touches.
 
-From a checkpoint the model is never held: `CheckpointArrays` reads each HF tensor's slices
-straight from the stored arrays (tensorstore, through orbax's read spec), so host memory is
-one HF tensor plus the storage chunks it touches. maxmoe stores stacked arrays one layer
-(and one expert) per chunk (`training.checkpoint.CHUNK_AXES`), so an expert's matrix reads
-just that matrix; a checkpoint written with coarser chunks gives the same bytes, reading up
-to one chunk (orbax keeps them under 2 GiB) per tensor.
+docs/ARCHITECTURE.md, "Hugging Face checkpoints" has the storage chunks' part in that.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Causal attention cores in plain XLA: the dense oracle and a chunked (flash-style) version.
 
-  xla      softmax(q k^T * scale) v with the whole [B, H, T, S] score matrix in float32 and
-           a mask: memory quadratic in T, the masked upper half computed too. The oracle.
-  chunked  the same result from [C, C] blocks with an online softmax, forward and backward
-           written as loops under one custom VJP: only the blocks on or below the diagonal
-           are computed, and nothing of size T x S is ever held -- the backward pass keeps
-           q, k, v, the output and one float32 log-sum-exp per query, and recomputes each
-           block's scores. Memory is linear in T; any platform.
+  xla      softmax(q k^T * scale) v with the whole [B, H, T, S] score matrix in float32 and a
+           mask: memory quadratic in T, the masked upper half computed too. The oracle.
+  chunked  the same result from [C, C] blocks with an online softmax under one custom VJP: only
+           blocks on or below the diagonal are computed and nothing of size T x S is held (the
+           backward keeps q, k, v, the output and one float32 log-sum-exp per query, and
+           recomputes each block's scores). Memory linear in T; any platform.
   latent   context parallelism's core (`latent_attention`): a device's queries, at any positions,
-           against the whole sequence given as MLA latents, up-projected to keys and values
-           block by block inside the key loop; its own VJP (maxmoe.parallel.context).
-GPU kernels (Pallas Triton, cuDNN) live in maxmoe.kernels.attention.
-
+           against the whole sequence's MLA latents, up-projected to keys and values block by
+           block inside the key loop; its own VJP (maxmoe.parallel.context).
 Precision matches the oracle: scores, softmax statistics and accumulators in float32, the
-probabilities cast to v's dtype before the value matmul.
-
+probabilities cast to v's dtype before the value matmul. GPU kernels (Pallas Triton, cuDNN) live
+in maxmoe.kernels.attention; the choice among cores: docs/KERNELS.md, "Kernel choice".
 Axis legend: B batch, T query time, S key time, H heads, K qk head dim, V v head dim, C chunk.
 """
 

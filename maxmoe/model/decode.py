@@ -4,16 +4,13 @@
     logits_BTV, cache = decode(config, variables, prompt_BT, cache, start=0)     # prefill
     logits_BTV, cache = decode(config, variables, token_B1, cache, start=prompt_len)  # then one at a time
 
-Per layer and position the cache holds the normalised compressed latent (kv_lora_rank
-numbers) and the rotated rope key shared by all heads (qk_rope_head_dim numbers), not
-per-head keys and values: for DeepSeek-V3, 512 + 64 numbers per token per layer instead of
-128 heads x (192 + 128). Attention runs in the absorbed form: a query's no-rope part is
-taken into the latent space through w_k_up, scored against the cached latents, and the
-attention-weighted latents are expanded by w_v_up afterwards; keys and values never
-exist per head. Everything else (norms, dense MLP, MoE with its router) is the training
-model's own modules applied to their slice of `variables`, so the cached logits equal the
-full forward's (`maxmoe.model.logits`) up to float rounding. MTP layers are not used.
+Per layer and position the cache holds the normalised latent and the rotated rope key shared by
+all heads, not per-head keys and values; attention runs in the absorbed form (queries taken into
+the latent space through w_k_up, the attention-weighted latents expanded by w_v_up). Everything
+else is the training model's own modules, so the cached logits equal the full forward's
+(`maxmoe.model.logits`) up to float rounding. MTP layers are not used.
 
+docs/ARCHITECTURE.md, "Decoding" has the cache's sizes and the absorbed form.
 Axis legend: B batch, T new tokens, S cache positions, D embed, H heads, K head dim,
 L latent (kv_lora_rank), R rope dim, V vocab.
 """
