@@ -176,7 +176,7 @@ def simulated_gpu(kind: GpuKind, count: int | None = None):
         *_cudnn_patch(kind),
         *_verified_triton_patch(),
     ]
-    caches = [attention.triton_lowers_here, mosaic_ragged_dot._has_gpu_devices]  # answers of the real process
+    caches = [attention.triton_lowers_on_host, mosaic_ragged_dot._has_gpu_devices]  # answers of the real process
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for cache in caches:
         cache.cache_clear()

@@ -13,7 +13,9 @@ Two texts, two questions:
                                  scale-up domain, from the compiled HLO
                                  (`compiled.as_text()`): all-gather / all-to-all (P-1)/P of
                                  the result, reduce-scatter (P-1) x its result, all-reduce
-                                 2 (P-1)/P of it (ring), collective-permute its result; ops
+                                 2 (P-1)/P of it (ring), collective-permute its result, a
+                                 ragged all-to-all (XLA:GPU's) (P-1)/P of the smaller of its
+                                 send and receive buffers (what balanced routing moves); ops
                                  inside loops multiplied by the loop's known trip count;
                                  also split by pass (`pass_of`: forward, backward, other).
   dot_flops(hlo)                  dot and convolution FLOPs one device runs per step of
@@ -350,6 +352,13 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
                 continue
             # An async start returns (operands..., results...): count the results only.
             size = max(sizes) if started and kind != "all-reduce" else sum(sizes) if not started else sizes[-1]
+            # XLA:GPU's ragged all-to-alls: the send buffer is the first operand (typed in a start's
+            # result, else at its definition), and jax's op name is the operand's (the op has none).
+            operand = _operand_definition(line, kind, lines) if kind == "ragged-all-to-all" else None
+            if kind == "ragged-all-to-all":
+                sent = sizes[:1] if started else shape_bytes(operand.split("=", 1)[1])[:1] if operand else []
+                size = min([*sent, sizes[-1]])
+            named = line if operand is None or _OP_NAME_RE.search(line) else operand
             groups = replica_groups(line, n)
             peers = max(len(g) for g in groups) if kind != "collective-permute" else 2
             factor = {
@@ -357,7 +366,7 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
                 "reduce-scatter": peers - 1,
                 "collective-permute": 1.0,
             }.get(kind, (peers - 1) / peers)
-            op_name = _OP_NAME_RE.search(line)
+            op_name = _OP_NAME_RE.search(named)
             rows.append(
                 {
                     "name": _NAME_RE.match(line).group(1),
@@ -370,12 +379,21 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
                     "dtype": _SHAPE_RE.search(result).group(1),
                     "op_name": op_name.group(1) if op_name else "",
                     "promoted": bool(_PROMOTED_RE.search(line)),
-                    "pass": pass_of(line),
+                    "pass": pass_of(named),
                     "computation": name,
                     "in_loop": name in looped,
                 }
             )
     return rows
+
+
+def _operand_definition(line: str, kind: str, lines: list[str]) -> str | None:
+    """The line among `lines` that defines the first operand of `kind` on `line` (None if none)."""
+    operand = re.search(rf"{kind}(?:-start)?\(\s*(?:\w+\[[\d,]*\](?:\{{[^}}]*\}})?\s+)?%?([\w.\-]+)", line)
+    if operand:
+        pattern = re.compile(rf"^\s*(?:ROOT\s+)?%?{re.escape(operand.group(1))}\s*=")
+        return next((other for other in lines if pattern.match(other)), None)
+    return None
 
 
 def collective_bytes(hlo_text: str, device_domain: list[int]) -> dict:

@@ -64,9 +64,22 @@ def triton_available() -> str:
     return ""
 
 
-@functools.cache
 def triton_lowers_here() -> str:
     """'' when this process can lower the Triton kernel for CUDA, else why not.
+
+    Under a mesh of a GPU's devices (`jax.set_mesh`; the compile-only devices of
+    maxmoe.analysis.gpu_compile too) jax lowers Pallas kernels for that GPU; elsewhere
+    `triton_lowers_on_host` answers.
+    """
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None and device.platform in ("gpu", "cuda"):
+        return triton_available()
+    return triton_lowers_on_host()
+
+
+@functools.cache
+def triton_lowers_on_host() -> str:
+    """'' when this process lowers the Triton kernel for CUDA outside a GPU mesh, else why not.
 
     jax 0.10 lowers Pallas Triton kernels for CUDA on a CPU host; newer jax asks the local
     GPU for its compute capability while lowering, so without a GPU it cannot.
