@@ -14,7 +14,7 @@ import pytest
 from jax.extend import core as jcore
 
 from maxmoe.analysis.flops import count_params, flops_per_token, fp8_flops_per_token
-from maxmoe.config import load_config
+from maxmoe.config import ConfigError, load_config
 from maxmoe.convert.hf_config import model_config_from_hf
 from maxmoe.model.transformer import abstract_variables, build_model
 
@@ -244,6 +244,9 @@ def test_kernel_report_tells_hopper_from_blackwell():
 
     config = load_config([str(REPO / "configs" / "proxy_1gpu.yaml")])
     assert kernel_report(config, "cuda", "NVIDIA H200")["grouped_matmul"] == "mosaic_gpu"
-    blackwell = kernel_report(config, "cuda", "NVIDIA GB300")
-    assert blackwell["grouped_matmul"] == "ragged_dot" and "G x the useful FLOPs" in blackwell["grouped_matmul_reason"]
+    # No Blackwell grouped kernel here (no tokamax): auto refuses rather than build ragged_dot's dense rewrite.
+    with pytest.raises(ConfigError, match=r"grouped_matmul=auto on NVIDIA GB300: no grouped GEMM kernel for Blackwell"):
+        kernel_report(config, "cuda", "NVIDIA GB300")
+    named = kernel_report(config.replace(moe={"grouped_matmul": "ragged_dot"}), "cuda", "NVIDIA GB300")
+    assert (named["grouped_matmul"], named["grouped_matmul_reason"]) == ("ragged_dot", "set in the config")
     assert kernel_report(config, "cpu", None)["attention"] == "chunked"

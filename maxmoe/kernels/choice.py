@@ -6,9 +6,10 @@ and chunked. On CUDA, of the candidates that can be built there and do no padded
 (grouped: mosaic_gpu on Hopper in bf16, tokamax, ragged_dot; attention: cudnn, tokamax,
 chunked), the one measured fastest for this device kind, else another of its generation, in the
 committed rate table (maxmoe.kernels.rates): fwd+bwd, bf16, at the 671B shape, else the proxy's.
-With none measured a fixed preference (that order) decides, and the reason says so. Never
-`auto`: triton attention (qk 192 padded to 256, v to qk's dim: 1.6x the work), xla attention
-(memory quadratic in T), dense_loop. A CUDA target of unknown device kind counts as Hopper.
+With none measured a fixed preference (that order) decides, and the reason says so; a program's
+(`resolve_kernels`) refuses on Blackwell with no grouped kernel installed. Never `auto`: triton
+attention (qk 192 padded to 256, v to qk's dim: 1.6x the work), xla attention (memory quadratic
+in T), dense_loop. A CUDA target of unknown device kind counts as Hopper.
 With `model.fp8=blockwise` the grouped choice also decides the FP8 GEMMs: maxmoe's Triton
 kernels under mosaic_gpu or tokamax, XLA's program under ragged_dot. docs/KERNELS.md has more.
 """
@@ -247,13 +248,20 @@ def resolve_kernels(config, platform: str | None = None, device_kind: str | None
     """The kernels of `config` (a maxmoe Config) for a platform (default: this process's).
 
     `device_kind` defaults to this device's when the platform is this process's, else
-    unknown (on CUDA taken as Hopper).
+    unknown (on CUDA taken as Hopper). Raises ConfigError where `auto` has no grouped kernel for
+    the GPU (`grouped_kernel_missing`): XLA's ragged_dot program would not fit there.
     """
     here, here_kind = target()
     platform = normalise_platform(platform or here)
     if device_kind is None:
         device_kind = here_kind if platform == here else ""
     dtype = config.model.compute_dtype
+    missing = grouped_kernel_missing(device_kind) if platform == "cuda" and config.moe.grouped_matmul == "auto" else ""
+    if missing:  # XLA's ragged_dot there: a dense rewrite, G x the FLOPs and memory (proxy_1gpu: 421 GB on a B200)
+        raise ConfigError(
+            f"moe.grouped_matmul=auto on {device_kind}: {missing}; install tokamax (pip install 'maxmoe[gpu]', "
+            "Python >= 3.12), or set moe.grouped_matmul=ragged_dot for XLA's dense rewrite (G x the FLOPs and memory)"
+        )
     return Kernels(
         platform,
         device_kind,
