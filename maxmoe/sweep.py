@@ -12,8 +12,10 @@ the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) a
 `mesh.allow_cross_domain`), and every sharding rule divides the dimensions it splits
 (`mesh.check_divisible`); the others are listed as skipped, each with its one-line reason.
 
---dry-run: N fake CPU devices; one training step is compiled ahead of time per shape and
-described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
+--dry-run: one training step is compiled ahead of time per shape, by XLA:GPU for the --system's
+GPU where jax's CUDA plugin is installed (--compiler gpu, the default there: N compile-only
+devices of that GPU, its program's own figures; maxmoe.analysis.gpu_compile), else by XLA:CPU on
+N fake CPU devices (--compiler cpu), and described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
 collective kind, by pass (forward, backward: what remat recomputes shows there) and across
 scale-up domains, model FLOPs, with pipeline stages the schedule's bubble
 (P-1)/(M*V+P-1), the measured one (the compiled step's dot FLOPs per device against the
@@ -48,6 +50,7 @@ import jax
 import numpy as np
 
 from maxmoe import runtime
+from maxmoe.analysis import gpu_compile
 from maxmoe.analysis.assumptions import Assumptions, assume
 from maxmoe.analysis.assumptions import table as assumption_table
 from maxmoe.analysis.calibration import load_calibration
@@ -283,12 +286,14 @@ def run_shape(
     a2a: str,
     system: str | None = None,
     assumptions=None,
+    compiler: str = "cpu",
 ) -> dict:
     """One shape's result: the dry-run description or the timing, or {"error": ...} if it failed."""
     shaped = with_mesh(config, sizes)
+    gpu = system if compiler == "gpu" else None
     try:
         if dry_run:
-            described = dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system, assumptions=assumptions)
+            described = dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system, assumptions=assumptions, gpu=gpu)
             return {"mesh": sizes, "name": mesh_name(sizes), **described}
         layout = build_layout(shaped, list(mesh.devices.flat))
         return {
@@ -316,17 +321,22 @@ def sweep(
     pipelines: tuple[int, ...] = (1,),
     system: str | None = None,
     assumptions=None,
+    compiler: str = "cpu",
 ) -> dict:
     """Run the sweep; returns {"results": ranked, "skipped": [...], ...}.
 
-    `system` (dry run): a key of maxmoe.analysis.planner.SYSTEMS to predict each shape's throughput on.
+    `system` (dry run): a key of maxmoe.analysis.planner.SYSTEMS to predict each shape's throughput on;
+    `compiler` "gpu": XLA:GPU compiles for its GPU (maxmoe.analysis.gpu_compile), under its xla.profile.
     """
+    gpu = dry_run and compiler == "gpu"
     if dry_run:
         if not num_devices:
             raise UserError("--dry-run needs --devices N")
-        runtime.use_cpu_devices(num_devices)  # before the first jax.devices() starts the backend
+        runtime.use_cpu_devices(1 if gpu else num_devices)  # before the first jax.devices() starts the backend
+        if gpu:
+            gpu_compile.use_profile(config, system)
     runtime.use_compile_cache(config.run.compile_cache)
-    devices = jax.devices()
+    devices = gpu_compile.target_devices(system, num_devices) if gpu else jax.devices()
     if num_devices is None:
         num_devices = len(devices)
     if len(devices) < num_devices:
@@ -350,7 +360,9 @@ def sweep(
     try:
         for done, (sizes, mesh) in enumerate(kept):
             display.update(done, f"{done}/{len(kept)}  compiling {mesh_name(sizes)}")
-            results.append(run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a, system, assumptions))
+            results.append(
+                run_shape(config, sizes, mesh, dry_run, hbm_gb, steps, warmup, a2a, system, assumptions, compiler)
+            )
         display.update(len(kept), f"{len(kept)}/{len(kept)}  done")
     finally:
         display.close()
@@ -360,7 +372,8 @@ def sweep(
         "platform": devices[0].platform,
         "jax": jax.__version__,
         "hbm_gb": hbm_gb,
-        "a2a_model": a2a if dry_run else "native",
+        "a2a_model": a2a if dry_run and not gpu else "native",
+        "compiler": gpu_compile.choose_compiler(compiler, system)[1] if dry_run else None,
         "system": system if dry_run else None,
         "assumptions": assumption_table(assumptions or Assumptions()) if dry_run and system else None,
         "batch_size": config.train.batch_size,
@@ -375,7 +388,7 @@ def sweep(
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("python -m maxmoe.sweep", __doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=None, help="device count (dry run: fake CPU devices)")
-    parser.add_argument("--dry-run", action="store_true", help="compile on fake CPU devices; memory and bytes")
+    parser.add_argument("--dry-run", action="store_true", help="compile without running (--compiler); memory and bytes")
     parser.add_argument(
         "--mesh", action="append", default=[], metavar="data=A,expert=B,tensor=C", help="only these shapes (repeatable)"
     )
@@ -421,6 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("proxy", "emulate"),
         default="proxy",
         help="dry run: ragged all-to-all as a native-shaped stand-in or as the CPU emulation",
+    )
+    parser.add_argument(
+        "--compiler",
+        choices=("gpu", "cpu"),
+        default=None,
+        help="dry run: XLA:GPU for the --system's GPU (default where jax's CUDA plugin is installed: "
+        "pip install 'maxmoe[gpu-compile]') or XLA:CPU on fake CPU devices",
     )
     parser.add_argument(
         "--system",
@@ -471,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(str(e)) from None
     if args.hbm_gb is None:
         args.hbm_gb = SYSTEMS[system].hbm_gb if system else 141.0
+    compiler, compiler_text = gpu_compile.choose_compiler(args.compiler, system) if args.dry_run else ("cpu", "")
+    if compiler == "gpu" and args.a2a == "emulate":
+        raise UserError("--a2a emulate is XLA:CPU's emulation; with --compiler gpu the ragged all-to-all is XLA:GPU's")
     if args.replan:
         report = replan_main(args, config, system, assumptions, sys.argv[1:] if argv is None else argv)
         _plot_to(args.plot, report["results"], True, args.hbm_gb)
@@ -489,8 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         pipelines=pipelines,
         system=system,
         assumptions=assumptions,
+        compiler=compiler,
     )
     report["wall_s"] = time.perf_counter() - start
+    if args.dry_run:
+        print(f"compiler: {compiler_text}")
     report["command"] = "python -m maxmoe.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     print(format_table(report["results"], args.dry_run, columns))
     for s in report["skipped"]:

@@ -2,7 +2,8 @@
 
 N fake CPU devices; one training step (donated state, as train.py jits it) is compiled
 ahead of time from abstract shapes -- nothing is allocated -- and per shape it reports,
-per device:
+per device (with `gpu`, XLA:GPU compiles it for the target GPU's compile-only devices instead:
+maxmoe.analysis.gpu_compile; its program's figures need none of the XLA:CPU corrections below):
   memory      compiled.memory_analysis(): arguments, outputs, temp, aliased (donated) and
               total = arguments + outputs - aliased + temp; `fits` = total <= --hbm-gb. Every
               figure here is of the program with bf16 compiled as f16 (maxmoe.analysis.half_width:
@@ -93,6 +94,7 @@ import time
 from maxmoe.analysis import planner
 from maxmoe.analysis.charging import compute_rows, seconds_per_flop
 from maxmoe.analysis.flops import count_params, flops_per_token, pipeline_piece_flops_per_token
+from maxmoe.analysis.gpu_compile import compile_train_step, program_report
 from maxmoe.analysis.half_width import compile_half_width
 from maxmoe.analysis.hlo import DTYPE_BYTES, collective_ops, dot_flops, summarize_ops
 from maxmoe.analysis.hlo_slices import parse_computations, sliced_elements
@@ -339,6 +341,7 @@ def step_workload(
     system: str,
     a2a_independent_chains: bool = False,
     assumptions=None,
+    combined: bool = False,
 ) -> planner.Workload:
     """The planner's Workload of one step on `system`: model FLOPs; the compute rows (each class's
     executed FLOPs on the kernel that runs it there: maxmoe.analysis.charging); the collectives
@@ -355,7 +358,7 @@ def step_workload(
         devices,
         memory_bytes=memory_bytes,
         optimizer_bytes=planner.optimizer_bytes(params["params_total"] + params["params_mtp"], devices),
-        combine_bytes=combine_thresholds(system),
+        combine_bytes={} if combined else combine_thresholds(system),  # XLA:GPU's rows come combined
         micro_batches=t.grad_accum,
     )
     workload = dataclasses.replace(
@@ -382,6 +385,7 @@ def replan(result: dict, config: Config, system: str, assumptions=None) -> dict:
         system,
         result.get("a2a_independent_chains", False),
         assumptions,
+        result.get("compiler", "").startswith("XLA:GPU"),
     )
     return planner.report(workload, planner.SYSTEMS[system], assumptions)
 
@@ -417,9 +421,15 @@ def dry_run_layout(shaped: Config, devices: list, a2a: str = "proxy"):
     return layout, plan, ragged
 
 
-def _compile_step(shaped: Config, devices: list, a2a: str):
+def _compile_step(shaped: Config, devices: list, a2a: str, gpu: str | None = None):
     """(compiled step, layout, the config's dispatch plan, whether it is ragged, bf16 types compiled as
-    f16, lower s, compile s)."""
+    f16, lower s, compile s). `gpu`: by XLA:GPU for that system's GPU, `devices` its compile-only
+    devices (maxmoe.analysis.gpu_compile): the program as it is, no stand-in, `a2a` unused."""
+    if gpu:
+        compiled, layout, _, lower_s, compile_s = compile_train_step(shaped, gpu, devices)
+        plan = layout.dispatch_plan
+        ragged = plan is not None and plan.strategy == "ragged_a2a" and plan.expert_ranks > 1
+        return compiled, layout, plan, ragged, 0, lower_s, compile_s
     start = time.perf_counter()
     layout, plan, ragged = dry_run_layout(shaped, devices, a2a)
     programs = build_programs(shaped, layout)
@@ -433,11 +443,11 @@ def _compile_step(shaped: Config, devices: list, a2a: str):
     return compiled, layout, plan, ragged, half, lower_s, compile_s
 
 
-def measured_bubble(shaped: Config, devices: list, a2a: str, pipeline_dots: float) -> dict:
+def measured_bubble(shaped: Config, devices: list, a2a: str, pipeline_dots: float, gpu: str | None = None) -> dict:
     """The measured bubble of a staged config against `bubble_baseline` (see the module docstring)."""
     try:
         baseline = bubble_baseline(shaped)
-        compiled, *_, compile_s = _compile_step(baseline, devices, a2a)
+        compiled, *_, compile_s = _compile_step(baseline, devices, a2a, gpu)
     except ConfigError as e:  # the stage-less shape may not fit these devices: no measurement, say why
         return {"bubble_measured": None, "dot_flops": pipeline_dots, "baseline_error": str(e)}
     ideal = dot_flops(compiled.as_text())
@@ -459,34 +469,41 @@ def dry_run_shape(
     system: str | None = None,
     measure_bubble: bool = True,
     assumptions=None,
+    gpu: str | None = None,
 ) -> dict:
     """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
 
     `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring);
     `system` (a key of maxmoe.analysis.planner.SYSTEMS) adds the planner's prediction for it;
-    `measure_bubble` (with stages) compiles the stage-less baseline for the measured bubble.
+    `measure_bubble` (with stages) compiles the stage-less baseline for the measured bubble;
+    `gpu` (a system): XLA:GPU compiles for its GPU, `mesh` holds its compile-only devices and the
+    figures are that program's (maxmoe.analysis.gpu_compile.program_report).
     """
     devices = list(mesh.devices.flat)
-    compiled, layout, plan, ragged, half, lower_s, compile_s = _compile_step(shaped, devices, a2a)
+    compiled, layout, plan, ragged, half, lower_s, compile_s = _compile_step(shaped, devices, a2a, gpu)
     mesh = layout.mesh
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     dots = dot_flops(text)
     domain = device_domains(devices, shaped.mesh.scale_up_domain)
-    parsed = parse_computations(text)  # read once for both searches
-    rows, notes = as_on_gpu(
-        collective_ops(text, domain),
-        shaped,
-        sliced_elements(text, len(devices), parsed),
-        narrowed_operands(text, parsed),
-    )
+    if gpu:
+        rows, notes, recorded = program_report(text, domain, layout, gpu)
+    else:
+        parsed = parse_computations(text)  # read once for both searches
+        rows, notes = as_on_gpu(
+            collective_ops(text, domain),
+            shaped,
+            sliced_elements(text, len(devices), parsed),
+            narrowed_operands(text, parsed),
+        )
+        recorded = {"compiler": "XLA:CPU"}
     wire = summarize_ops(rows)
     by_kind, cross = dict(wire["by_kind"]), dict(wire["cross_domain"])
     by_pass = {name: dict(kinds) for name, kinds in wire["by_pass"].items()}
     native = native_a2a_bytes(shaped, sizes) if ragged else {"forward": 0.0, "backward": 0.0}
     memory_bound = "compiled"
     emulation_temp = 0.0
-    if ragged and a2a == "emulate":
+    if ragged and a2a == "emulate" and not gpu:
         emulated = by_kind.pop("all-to-all", 0.0)
         cross.pop("all-to-all", None)
         by_kind["emulated_all_to_all"] = emulated
@@ -500,7 +517,7 @@ def dry_run_shape(
             f"an upper bound: the emulation adds roughly {emulation_temp / GB:.2f} GB of [P, M, D] blocks "
             "per live call"
         )
-    elif ragged:
+    elif ragged and not gpu:
         notes.append("all-to-all: measured on the native-shaped stand-in (balanced routing)")
     if half:
         notes.append(
@@ -520,21 +537,24 @@ def dry_run_shape(
     flops = flops_per_token(shaped.model, t.seq_len) * tokens / mesh.size
     pipeline = pipeline_report(shaped, system, assumptions)
     prediction = None
-    chains = a2a_independent_chains(shaped, devices) if ragged else False
+    if gpu:  # batch_split's overlap as XLA:GPU scheduled it
+        chains = shaped.moe.overlap == "batch_split" and recorded["a2a_overlapped"]
+    else:
+        chains = a2a_independent_chains(shaped, devices) if ragged else False
     if system is not None:
-        workload = step_workload(shaped, rows, mesh.size, total, pipeline, system, chains, assumptions)
+        workload = step_workload(shaped, rows, mesh.size, total, pipeline, system, chains, assumptions, bool(gpu))
         prediction = planner.report(workload, planner.SYSTEMS[system], assumptions or planner.Assumptions())
     if shaped.mesh.scale_up_domain:
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
     else:
         domain_note = f"{len(set(domain))} domain(s) (one per process)"
     if pipeline is not None and measure_bubble:
-        pipeline.update(measured_bubble(shaped, devices, a2a, dots))
+        pipeline.update(measured_bubble(shaped, devices, a2a, dots, gpu))
     return {
         "devices": mesh.size,
         "pipeline": pipeline,
         "dispatch": plan.strategy if plan else "local",
-        "a2a_model": a2a if ragged else "-",
+        "a2a_model": ("native" if gpu else a2a) if ragged else "-",
         "memory": {
             "argument": arg,
             "output": out,
@@ -569,4 +589,5 @@ def dry_run_shape(
         "prediction": prediction,
         "a2a_independent_chains": chains,
         "planner_rows": [{k: r.get(k) for k in PLANNER_ROW_KEYS} for r in rows],
+        **recorded,
     }
