@@ -22,6 +22,7 @@ from maxmoe.parallel import context
 from maxmoe.parallel.layout import build_layout
 from maxmoe.parallel.names import LATENT_GATHER
 from maxmoe.training import step as step_lib
+from maxmoe.training.objective import make_loss_fn
 from maxmoe.training.programs import build_programs
 
 TINY = "configs/tiny.yaml"
@@ -57,7 +58,7 @@ def _initial_state():
 
 def _step_fn(config, layout, optimizer):
     """One train step that also returns the loss and its gradients (what the parity checks read)."""
-    grad_fn = jax.value_and_grad(step_lib.make_loss_fn(config, layout), has_aux=True)
+    grad_fn = jax.value_and_grad(make_loss_fn(config, layout), has_aux=True)
 
     def run(state, batch_BT):
         (loss, aux), grads = grad_fn(state.params, state.router, batch_BT)
@@ -135,7 +136,7 @@ def _first_grads(*overrides):
     layout = build_layout(config, jax.devices()[: config.mesh.data * config.mesh.context * config.mesh.expert])
     programs = build_programs(config, layout)
     state = jax.device_put(_initial_state(), programs.state_shardings)
-    loss_fn = step_lib.make_loss_fn(config, layout)
+    loss_fn = make_loss_fn(config, layout)
     grads = jax.jit(jax.grad(lambda p, r, b: loss_fn(p, r, b)[0]))(
         state.params, state.router, jax.device_put(_batches(config)[0], programs.batch_sharding)
     )

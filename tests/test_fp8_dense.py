@@ -17,8 +17,8 @@ from maxmoe.kernels import fp8_dense
 from maxmoe.kernels.choice import Choice
 from maxmoe.kernels.fp8_dense import fp8_gather_axes, projection_specs
 from maxmoe.parallel.layout import build_layout
+from maxmoe.training.objective import make_loss_fn
 from maxmoe.training.programs import build_programs
-from maxmoe.training.step import make_loss_fn
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 

@@ -8,14 +8,14 @@ the same config on one device; one compiled two-tier program serves every test:
 - in the compiled program every collective crossing a domain runs once per step, while the
   in-domain ones run per micro-batch;
 - a checkpoint written under mode fsdp restores into zero1 and back with identical values;
-- mesh.gather_once: the same losses, eval and gradients, and no weight but the experts'
-  gathered per layer and micro-batch (which the plain two-tier program does);
-- mesh.reduce_per_layer (with sum_per_layer): the same losses, eval and gradients; every
-  layer-stack weight's cross-domain reduce-scatter inside the backward layer loop (once per
-  layer), the same bytes across domains as the plain step, and ZeRO-1 shards that keep
-  `layers` whole;
-- mesh.sum_per_layer: the gradients of the plain two-tier step, and no per-micro-batch
-  gradient stack of the experts (the compiled step's temporaries fall by at least its bytes).
+- mesh.zero1_gather=per_step: the same losses, eval and gradients, and no weight but the
+  experts' gathered per layer and micro-batch (which the per_layer default does);
+- mesh.zero1_reduce=per_layer: the same losses, eval and gradients; every layer-stack weight's
+  cross-domain reduce-scatter inside the backward layer loop (once per layer), the same bytes
+  across domains as the default, and ZeRO-1 shards that keep `layers` whole;
+- summing inside the backward layer loop: the gradients of whole-gradient accumulation (the
+  same accumulator with no weight routed per layer), and no per-micro-batch gradient stack of
+  the experts (the compiled step's temporaries fall by at least its bytes).
 """
 
 import collections
@@ -30,10 +30,11 @@ import pytest
 from flax import traverse_util
 
 from maxmoe.analysis.hlo import collective_ops
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import load_config
 from maxmoe.model.transformer import abstract_variables, uses_float32
 from maxmoe.parallel.layout import build_layout
 from maxmoe.parallel.mesh import device_domains
+from maxmoe.training import accumulate
 from maxmoe.training.checkpoint import Checkpointer
 from maxmoe.training.programs import build_programs
 
@@ -100,15 +101,14 @@ def two_tier():
 
 @pytest.fixture(scope="module")
 def gathered_once():
-    return run(config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.gather_once=true"), jax.devices())
+    return run(config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.zero1_gather=per_step"), jax.devices())
 
 
 @pytest.fixture(scope="module")
 def per_layer():
-    # With mesh.sum_per_layer: the first micro-batch's sums, made inside its layer loops, are
-    # what the last one's per-layer reduction adds its gradients to.
-    options = ("mesh.across_domains=zero1", "mesh.reduce_per_layer=true", "mesh.sum_per_layer=true")
-    return run(config_for(*DOMAINS, *options), jax.devices())
+    # The first micro-batch's sums, made inside its layer loops, are what the last one's
+    # per-layer reduction adds its gradients to.
+    return run(config_for(*DOMAINS, "mesh.across_domains=zero1", "mesh.zero1_reduce=per_layer"), jax.devices())
 
 
 @pytest.mark.slow
@@ -159,13 +159,6 @@ def per_layer_gathers(result) -> list[tuple[str, str, float]]:
     )
 
 
-@pytest.mark.parametrize("option", ["gather_once", "reduce_per_layer", "sum_per_layer"])
-def test_two_tier_options_need_more_than_one_domain(option):
-    config = config_for("mesh.data=4", "mesh.expert=2", "mesh.across_domains=zero1", f"mesh.{option}=true")
-    with pytest.raises(ConfigError, match=f"mesh.{option}=true .* found one replica"):
-        build_layout(config)  # 8 devices in one scale-up domain: no replicas, no two-tier step
-
-
 @pytest.mark.slow
 def test_gather_once_gathers_only_experts_per_layer_and_micro_batch(two_tier, gathered_once):
     weights = re.compile(r"moe_layers/(attention|attn_norm|mlp_norm|moe/shared)/")
@@ -175,7 +168,7 @@ def test_gather_once_gathers_only_experts_per_layer_and_micro_batch(two_tier, ga
     once = per_layer_gathers(gathered_once)
     assert once, "the layer loop's own gathers (the experts' dispatch) are there"
     assert [g for g in once if weights.search(g[0])] == []
-    # The option only takes gathers away: what is left ran in the plain step too, and at most
+    # The setting only takes gathers away: what is left ran in the default step too, and at most
     # what is left once the named weights' gathers are gone (exactly that under jax 0.10).
     assert not collections.Counter(once) - collections.Counter(plain), once
     assert len(once) <= len(plain) - len(named), (len(once), len(plain), len(named))
@@ -285,13 +278,12 @@ def test_reduce_per_layer_reduces_each_layer_inside_the_backward_loop(two_tier, 
 @pytest.mark.slow
 def test_reduce_per_layer_lowers_for_cuda():
     """The GPU program (lowered for CUDA, the kernels auto picks): one reduce-scatter per
-    layer-stack weight, in the stacks' backward loops (the plain two-tier step has none: its
-    cross-domain reduction is XLA's, after the loop). With mesh.sum_per_layer, whose
-    micro-batches before the last sum their gradients inside the loops too."""
+    layer-stack weight, in the stacks' backward loops (the default two-tier step has none: its
+    cross-domain reduction is XLA's, after the loop)."""
     from maxmoe.analysis.lowering import lower_train_step
 
     shapes = ["model.compute_dtype=bfloat16", "model.hidden_size=128", "model.moe_mlp_dim=64"]
-    options = ["mesh.across_domains=zero1", "mesh.reduce_per_layer=true", "mesh.sum_per_layer=true"]
+    options = ["mesh.across_domains=zero1", "mesh.zero1_reduce=per_layer"]
     config = config_for(*DOMAINS, *options, *shapes)
     params = nn.unbox(abstract_variables(config.model, boxed=True)["params"])
     hooked = [p for p in traverse_util.flatten_dict(params) if p[0].endswith("_layers") and not uses_float32(p)]
@@ -300,18 +292,22 @@ def test_reduce_per_layer_lowers_for_cuda():
 
 
 @pytest.mark.slow
-def test_sum_per_layer_sums_inside_the_layer_loop():
+def test_layer_stacks_sum_inside_the_layer_loop(monkeypatch):
     # Two MoE layers alone (no dense layer or MTP: less to compile), experts 32 x 1024 (the
     # stack's gradients dominate what a step holds) and remat full (no saved activations beside
-    # them): one step of the plain two-tier program and one with mesh.sum_per_layer, from the
-    # same state and batch.
+    # them): one step of the accumulator with no weight routed per layer (whole-gradient
+    # accumulation: each micro-batch differentiated w.r.t. every weight, then added) and one as
+    # it runs, from the same state and batch.
     model = ["model.num_layers=2", "model.first_k_dense=0", "model.mtp_num_layers=0", "model.moe_mlp_dim=1024"]
-    shapes = [*model, "model.remat=full", "mesh.across_domains=zero1"]
+    config = config_for(*DOMAINS, *model, "model.remat=full", "mesh.across_domains=zero1")
     results, host = {}, None
     for summing in (False, True):
-        config = config_for(*DOMAINS, *shapes, f"mesh.sum_per_layer={str(summing).lower()}")
-        programs = build_programs(config, build_layout(config))
-        compiled = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config)).lower().compile()
+        with monkeypatch.context() as patch:
+            if not summing:
+                patch.setattr(accumulate, "stacked_paths", lambda *_: [])
+            programs = build_programs(config, build_layout(config))
+            compiled = programs.train_step.trace(programs.abstract_state, programs.abstract_batch(config))
+            compiled = compiled.lower().compile()
         host = jax.tree.map(np.asarray, programs.init(jax.random.key(0))) if host is None else host
         state = jax.device_put(host, programs.state_shardings)  # the step donates it
         stepped, metrics = compiled(state, jax.device_put(batches(config)[0], programs.batch_sharding))
@@ -321,7 +317,7 @@ def test_sum_per_layer_sums_inside_the_layer_loop():
     # The same float32 sums of the same per-layer gradients, added inside the loop instead of after it.
     assert summed_loss == pytest.approx(loss, rel=1e-6)
     assert_gradients_match(summed_grads, grads)
-    # What the plain step holds and this one does not: each micro-batch's gradient stack of the
+    # What whole-gradient accumulation holds and this does not: each micro-batch's gradient stack of the
     # routed experts ([layers, experts per device, ...] of w_gate, w_up, w_down; float32 here).
     layout = build_layout(config)
     boxed = abstract_variables(config.model, boxed=True)["params"]

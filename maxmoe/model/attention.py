@@ -73,15 +73,18 @@ class MLA(nn.Module):
         def param(name, shape, axes):
             return logical_param(self, name, shape, axes, std=std).astype(dt)
 
-        def proj(x, x_axes, name, shape, w_axes, equation=None):
-            """x [B, T, K...] times parameter `name` [K..., N...]: `equation` (or x @ w) for
-            model.fp8=none, else the recipe's FP8 GEMMs; the attention core stays out of FP8."""
-            w = param(name, shape, w_axes)
+        def mm(x, x_axes, w, w_axes, equation=None):
+            """x [B, T, K...] times w [K..., N...]: `equation` (or x @ w) for model.fp8=none, else the
+            recipe's FP8 GEMMs; the attention core stays out of FP8."""
             if c.fp8 == "none":
                 return x @ w if equation is None else jnp.einsum(equation, x, w)
             return project(x, w, c.fp8, self.layout, (x_axes, w_axes), contract=len(x_axes) - 2)
 
+        def proj(x, x_axes, name, shape, w_axes, equation=None):
+            return mm(x, x_axes, param(name, shape, w_axes), w_axes, equation)
+
         btd, up = ("batch", "seq", "embed"), "btl,lhk->bthk"
+        bthk = ("batch", "seq", "heads", "head_dim")
         x = x_BTD.astype(dt)
         if c.q_lora_rank:
             q_latent = proj(x, btd, "w_q_down", (d, c.q_lora_rank), ("embed", "q_lora"))
@@ -90,38 +93,33 @@ class MLA(nn.Module):
             q_BTHK = proj(q_latent, ("batch", "seq", "q_lora"), "w_q_up", q_shape, q_axes, up)
         else:
             q_BTHK = proj(x, btd, "w_q", (d, h, nope + rope), ("embed", "heads", "head_dim"), "btd,dhk->bthk")
-        q_BTHK = constrain(self.layout, q_BTHK, ("batch", "seq", "heads", "head_dim"))
+        q_BTHK = constrain(self.layout, q_BTHK, bthk)
         q_nope, q_rope = q_BTHK[..., :nope], q_BTHK[..., nope:]
 
         kv_latent = proj(x, btd, "w_kv_down", (d, c.kv_lora_rank), ("embed", "kv_lora"))
         kv_latent = RMSNorm(c.rms_norm_eps, "kv_lora", name="kv_norm")(kv_latent)
         k_rope_BT1R = proj(x, btd, "w_k_rope", (d, rope), ("embed", "head_dim"))[:, :, None, :]
         latent_axes, up_axes = ("batch", "seq", "kv_lora"), ("kv_lora", "heads", "head_dim")
-        if self.layout is not None and self.layout.context > 1:
-            # Context parallelism: the latents travel, keys and values are made inside the core.
-            q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BT, c)], axis=-1)
-            k_rope_BTR = apply_rope(k_rope_BT1R, positions_BT, c)[:, :, 0]
-            w_k_up, w_v_up = (
-                param("w_k_up", (c.kv_lora_rank, h, nope), up_axes),
-                param("w_v_up", (c.kv_lora_rank, h, v), up_axes),
-            )
-            blocks = {"scale": attention_scale(c), "block": c.attention_chunk}
-            core = self.layout.latent_attention(
-                functools.partial(latent_attention_forward, **blocks),
-                functools.partial(latent_attention_backward, **blocks),
-            )
-            out_BTHK = core(q, positions_BT, kv_latent, k_rope_BTR, w_k_up, w_v_up)
-            out_axes = ("batch", "seq", "heads", "head_dim")
-            return proj(out_BTHK, out_axes, "w_out", (h, v, d), ("heads", "head_dim", "embed"), "bthk,hkd->btd")
-        k_nope = proj(kv_latent, latent_axes, "w_k_up", (c.kv_lora_rank, h, nope), up_axes, up)
-        v_BSHK = proj(kv_latent, latent_axes, "w_v_up", (c.kv_lora_rank, h, v), up_axes, up)
+        w_k_up = param("w_k_up", (c.kv_lora_rank, h, nope), up_axes)
+        w_v_up = param("w_v_up", (c.kv_lora_rank, h, v), up_axes)
 
-        q_rope = apply_rope(q_rope, positions_BT, c)
-        k_rope_BT1R = apply_rope(k_rope_BT1R, positions_BT, c)
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BT1R, k_nope.shape[:3] + (rope,))], axis=-1)
-        k = constrain(self.layout, k, ("batch", "seq", "heads", "head_dim"))
-        out_BTHK = attention_core(c, self.layout)(q, k, v_BSHK, attention_scale(c))
-        out_BTHK = constrain(self.layout, out_BTHK, ("batch", "seq", "heads", "head_dim"))
-        out_axes = ("batch", "seq", "heads", "head_dim")
-        return proj(out_BTHK, out_axes, "w_out", (h, v, d), ("heads", "head_dim", "embed"), "bthk,hkd->btd")
+        def materialised(q, positions, latent_BSL, k_rope_BSR, w_k_up, w_v_up):
+            """Keys and values up-projected for the whole sequence, then the attention core."""
+            k_nope = mm(latent_BSL, latent_axes, w_k_up, up_axes, up)
+            v_BSHK = mm(latent_BSL, latent_axes, w_v_up, up_axes, up)
+            k_rope_BS1R = k_rope_BSR[:, :, None, :]
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BS1R, k_nope.shape[:3] + (rope,))], axis=-1)
+            k = constrain(self.layout, k, bthk)
+            out = attention_core(c, self.layout)(q, k, v_BSHK, attention_scale(c))
+            return constrain(self.layout, out, bthk)
+
+        q = jnp.concatenate([q_nope, apply_rope(q_rope, positions_BT, c)], axis=-1)
+        k_rope_BTR = apply_rope(k_rope_BT1R, positions_BT, c)[:, :, 0]
+        # The layout may run the core on the latents itself (context parallelism: they travel,
+        # keys and values are made inside its key loop); else keys and values are materialised.
+        blocks = {"scale": attention_scale(c), "block": c.attention_chunk}
+        forward = functools.partial(latent_attention_forward, **blocks)
+        backward = functools.partial(latent_attention_backward, **blocks)
+        core = None if self.layout is None else self.layout.latent_attention(forward, backward)
+        out_BTHK = (core or materialised)(q, positions_BT, kv_latent, k_rope_BTR, w_k_up, w_v_up)
+        return proj(out_BTHK, bthk, "w_out", (h, v, d), ("heads", "head_dim", "embed"), "bthk,hkd->btd")

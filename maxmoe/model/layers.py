@@ -17,17 +17,6 @@ import jax.numpy as jnp
 
 from maxmoe.kernels.fp8_matmul import fp8_matmul
 
-# Variable collections a training step may pass beside `params` (one entry per layer in a scanned
-# stack): a parameter with an entry in LAYER_GRAD goes through the layout's `layer_grad_hook`,
-# which sends this layer's gradient of it, plus its LAYER_GRAD_ADD entry, to the LAYER_GRAD
-# entry's gradient (maxmoe.parallel.replicas.LayerGrads: the two-tier step's per-layer reduction).
-LAYER_GRAD, LAYER_GRAD_ADD = "layer_grad", "layer_grad_add"
-# LAYER_SUM: a stacked parameter's float32 running gradient sum [layers, ...], carried whole
-# through its stack's loop; LAYER_INDEX: the layer's row in it (scanned). A parameter with both
-# goes through the layout's `layer_sum_hook`, which adds this layer's gradient to its row of the
-# sums' cotangent (maxmoe.training.layer_sums: accumulation inside the backward layer loop).
-LAYER_SUM, LAYER_INDEX = "layer_sum", "layer_index"
-
 
 def logical_param(
     module: nn.Module,
@@ -39,16 +28,7 @@ def logical_param(
 ) -> jax.Array:
     """A float32 parameter whose dimensions carry logical axis names (for the sharding rules)."""
     init = init or nn.initializers.normal(stddev=std)
-    w = module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), jnp.float32)
-    hook = getattr(getattr(module, "layout", None), "layer_grad_hook", None)
-    if hook is not None and module.has_variable(LAYER_GRAD, name):
-        into, add = module.get_variable(LAYER_GRAD, name), module.get_variable(LAYER_GRAD_ADD, name)
-        w = hook(module.path + (name,), w, into, add)
-    hook = getattr(getattr(module, "layout", None), "layer_sum_hook", None)
-    if hook is not None and module.has_variable(LAYER_SUM, name):
-        sums, index = module.get_variable(LAYER_SUM, name), module.get_variable(LAYER_INDEX, name)
-        w = hook(module.path + (name,), w, sums, index)
-    return w
+    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), jnp.float32)
 
 
 def constrain(layout: Any, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -11,6 +11,7 @@ variable, so compile time does not grow with depth.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -20,35 +21,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import ModelConfig
 from maxmoe.model.attention import MLA, attention_for_length
-from maxmoe.model.layers import (
-    LAYER_GRAD,
-    LAYER_GRAD_ADD,
-    LAYER_INDEX,
-    LAYER_SUM,
-    Embed,
-    RMSNorm,
-    SwiGLU,
-    constrain,
-    logical_param,
-)
+from maxmoe.model.layers import Embed, RMSNorm, SwiGLU, constrain, logical_param
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.names import ATTENTION_OUT, COMM_NAMES, EXPERT_MATMUL_NAMES, FP8_DENSE_OUT
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # model.compute_dtype -> jax dtype
 
-# model.remat: what the backward pass of a scanned block keeps; the rest is recomputed from
-# the block input, which is always kept (n x D x b per layer: n tokens per device, b bytes).
-# Beyond it, per MoE layer and device (names: maxmoe.parallel.dispatch_shard):
-#   full            nothing: the whole layer runs again, both all-to-alls included
-#   save_matmuls    outputs of dots without batch dims (MLA, router, shared and dense MLPs;
-#                   under model.fp8 their FP8 GEMMs' outputs, FP8_DENSE_OUT); ragged_dot and
-#                   collectives are neither, so it recomputes the same collectives as full
-#   save_comm       every collective's output (COMM_NAMES): the receive buffer M x D x b
-#                   (the whole buffer, which moe.buffer_factor sizes), the returned copies
-#                   n x K x D x b and the counts; no collective runs again backward
-#   save_moe        save_comm + the expert GEMMs' gate/up (2 x M x F x b) + attention output
-#   save_dots_comm  save_comm + the expert gate/up + save_matmuls' dots
-# docs/dev/perf-log.md ("remat policies") has the bytes per policy for the shipped configs.
+# model.remat: what the backward pass of a scanned block keeps (docs/ARCHITECTURE.md, "Remat").
 _policies = jax.checkpoint_policies
 _save_dots = _policies.save_from_both_policies(
     _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(FP8_DENSE_OUT)
@@ -87,15 +66,32 @@ class Block(nn.Module):
         return out, None
 
 
-def _stack(config: ModelConfig, moe: bool, length: int, name: str, dtype, layout):
-    """A scanned stack of `length` identical blocks."""
-    block = Block
+@dataclasses.dataclass(frozen=True)
+class StackTransform:
+    """What a caller applies to each layer of the scanned stacks, from outside the model.
+
+    wrap(block_class, stack_name) -> the module class the stack scans in its place (e.g. a
+    flax `nn.map_variables` over the block's parameters); `scanned` names the variable
+    collections it reads one slice per layer of, `carried` those it carries whole through the
+    stack's loop. The model knows nothing of what the transform does (the train step routes
+    each layer's weight gradients with one).
+    """
+
+    wrap: Callable[[type, str], type]
+    scanned: tuple[str, ...] = ()
+    carried: tuple[str, ...] = ()
+
+
+def _stack(config: ModelConfig, moe: bool, length: int, name: str, dtype, layout, transform=None):
+    """A scanned stack of `length` identical blocks (each wrapped by `transform`, a StackTransform)."""
+    block = Block if transform is None else transform.wrap(Block, name)
     if config.remat != "none":
-        block = nn.remat(Block, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
+        block = nn.remat(block, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
+    scanned_collections = () if transform is None else transform.scanned
     scanned = nn.scan(
         block,
-        variable_axes={"params": 0, "router": 0, "moe_stats": 0, LAYER_GRAD: 0, LAYER_GRAD_ADD: 0, LAYER_INDEX: 0},
-        variable_carry=LAYER_SUM,
+        variable_axes={"params": 0, "router": 0, "moe_stats": 0, **{c: 0 for c in scanned_collections}},
+        variable_carry=list(transform.carried) if transform is not None and transform.carried else False,
         split_rngs={"params": True},
         in_axes=(nn.broadcast,),
         length=length,
@@ -155,6 +151,7 @@ class Transformer(nn.Module):
 
     config: ModelConfig
     layout: Any = None
+    stack_transform: StackTransform | None = None
 
     @nn.compact
     def __call__(self, tokens_BT: jax.Array, hidden_only: bool = False):
@@ -165,9 +162,12 @@ class Transformer(nn.Module):
         embed = Embed(c.vocab_size, c.hidden_size, dtype, c.init_std, self.layout, name="embed")
         x = constrain(self.layout, embed(in_layout_order(self.layout, tokens_BT)), ("batch", "seq", "embed"))
         if c.first_k_dense:
-            x, _ = _stack(c, False, c.first_k_dense, "dense_layers", dtype, self.layout)(x, positions_BT)
+            stack = _stack(c, False, c.first_k_dense, "dense_layers", dtype, self.layout, self.stack_transform)
+            x, _ = stack(x, positions_BT)
         if c.num_layers > c.first_k_dense:
-            x, _ = _stack(c, True, c.num_layers - c.first_k_dense, "moe_layers", dtype, self.layout)(x, positions_BT)
+            length = c.num_layers - c.first_k_dense
+            stack = _stack(c, True, length, "moe_layers", dtype, self.layout, self.stack_transform)
+            x, _ = stack(x, positions_BT)
         w_head_DV = logical_param(self, "head", (c.hidden_size, c.vocab_size), ("embed", "vocab"), std=c.init_std)
 
         def head(h_BTD):
@@ -195,9 +195,10 @@ def uses_float32(path: tuple) -> bool:
     return names[-1] == "scale" or "router" in names
 
 
-def build_model(config: ModelConfig, layout: Any = None) -> Transformer:
-    """The network for a model config; `layout` (maxmoe.parallel.layout) shards activations and experts."""
-    return Transformer(config, layout)
+def build_model(config: ModelConfig, layout: Any = None, stack_transform: StackTransform | None = None) -> Transformer:
+    """The network for a model config; `layout` (maxmoe.parallel.layout) shards activations and experts;
+    `stack_transform` is applied to each layer of the scanned stacks."""
+    return Transformer(config, layout, stack_transform)
 
 
 def init_variables(config: ModelConfig, rng: jax.Array) -> dict:

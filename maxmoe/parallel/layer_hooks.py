@@ -1,10 +1,9 @@
-"""What the model's per-layer gradient hooks share (maxmoe.model.layers.logical_param).
+"""Routing a layer-stack weight's gradient away from it, layer by layer, inside the backward layer loop.
 
-A training step may hand the model a hook that takes a layer-stack weight's gradient away
-from the weight, layer by layer, inside the backward layer loop: `LayerGrads`
-(maxmoe.parallel.replicas, the cross-domain reduce-scatter of mesh.reduce_per_layer) and
-`LayerSums` (maxmoe.training.layer_sums, the float32 sums of mesh.sum_per_layer). Both are a
-`route_gradient` and both apply to the `stacked_paths`.
+`route_gradient` is the routing (a custom VJP); `stacked_paths` the weights it applies to. The
+train step applies it to the model's scanned blocks from outside (maxmoe.training.layer_grads):
+into the float32 running sums, or into `LayerGrads`' cross-domain reduce-scatter
+(maxmoe.parallel.replicas, mesh.zero1_reduce=per_layer).
 """
 
 from __future__ import annotations

@@ -45,11 +45,7 @@ class Layout:
         platform: the platform programs are built for ("cpu", "cuda", ...).
         grouped_matmul, attention: the implementations `auto` resolved to
             (maxmoe.kernels.choice.Choice: name and reason).
-        layer_grads: mesh.reduce_per_layer (ZeRO-1 splits no `layers` dimension).
-        layer_grad_hook: set by the two-tier step for its last micro-batch only
-            (maxmoe.parallel.replicas.LayerGrads; the model calls it from logical_param).
-        layer_sum_hook: set by a step that sums gradients inside the backward layer loop
-            (maxmoe.training.layer_sums.LayerSums; called from logical_param too).
+        layer_grads: mesh.zero1_reduce=per_layer (ZeRO-1 splits no `layers` dimension).
     """
 
     mesh: Mesh
@@ -59,8 +55,6 @@ class Layout:
     grouped_matmul: Any = None
     attention: Any = None
     layer_grads: bool = False
-    layer_grad_hook: Any = None
-    layer_sum_hook: Any = None
 
     @property
     def shape(self) -> dict[str, int]:
@@ -103,8 +97,12 @@ class Layout:
         return context_parallel.zigzag_order(t, self.context) if self.context > 1 else None
 
     def latent_attention(self, forward, backward):
-        """fn(q, positions, latent, k_rope, w_k_up, w_v_up): MLA's core (its `forward` and `backward`)
-        on each device's queries, the latents all-gathered over `context` (maxmoe.parallel.context)."""
+        """fn(q, positions, latent, k_rope, w_k_up, w_v_up) running MLA's core on the latents, or None
+        where the model materialises keys and values itself. With a `context` axis: the core (its
+        `forward` and `backward`) on each device's queries, the latents all-gathered over `context`
+        (maxmoe.parallel.context)."""
+        if self.context == 1:
+            return None
         spec = tuple(self.spec(("batch", "seq", "heads", "head_dim"))) + (None,) * 4
         return context_parallel.latent_attention(forward, backward, self.mesh, spec[0], spec[2])
 
@@ -176,7 +174,7 @@ class Layout:
     def zero1_shardings(self, boxed_tree, over: Sequence[str] | None = None) -> Any:
         """ZeRO-1 NamedShardings (`zero1_spec`, adding the axes `over`) for a tree of flax-boxed variables.
 
-        With `layer_grads` (mesh.reduce_per_layer) the added axes split no `layers` dimension."""
+        With `layer_grads` (mesh.zero1_reduce=per_layer) the added axes split no `layers` dimension."""
         logical = nn.get_partition_spec(boxed_tree)
         shapes = nn.unbox(boxed_tree)
 
@@ -213,7 +211,7 @@ class Layout:
     def whole_shardings(self, boxed_tree) -> Any:
         """`tree_shardings`, but every leaf without an `expert` logical axis whole over the mesh
         axes the batch is split over (its FSDP shards gathered; a tensor split kept): the weights
-        mesh.gather_once gathers once per step. Experts' leaves keep `tree_shardings`."""
+        mesh.zero1_gather=per_step gathers once per step. Experts' leaves keep `tree_shardings`."""
         batch_axes = axes_of(self.spec(("batch",))[0])
 
         def one(spec, sharding):

@@ -1,29 +1,18 @@
 """Devices -> a named ([pipeline,] [replica,] data, [context,] expert, tensor) mesh over scale-up domains; logical->mesh rules.
 
-What runs on the mesh (kernels, dispatch) is bound in maxmoe.parallel.layout.
+    mesh = build_mesh(config)                     # devices ordered by (domain, process, local id)
+    spec = logical_to_spec(("batch", "seq", "embed"), resolve_rules(config), dict(mesh.shape))
 
-A scale-up domain is a set of devices on one fast fabric (an NVLink rack such as a GB300
-NVL72: 72 GPUs; an HGX H100/H200 node: 8). The MoE all-to-all (`expert`) and the
-tensor-parallel reductions (`tensor`) are the chatty collectives, so the builder keeps both
-inside one domain: devices are ordered by (domain, process, local id), `tensor` is the
-innermost (fastest varying) axis, `expert` next, and `data` spanning domains. Pipeline
-stages (`pipeline`, outermost, present when mesh.pipeline > 1) are blocks of whole
-(data, expert, tensor) meshes: only activations between neighbouring stages and the
-end-of-step reductions cross them. Only gradient reductions (and FSDP gathers) cross domains.
-
-Under `mesh.across_domains=zero1` data parallelism has two tiers: `replica` (outermost,
-across domains) x `data` (inside one domain), `data` being the largest part of mesh.data
-that fits a domain beside expert x tensor. Rules never name `replica`: the train step
-adds it (maxmoe.parallel.replicas), and master weights and optimizer state take it on as
-the minor factor of their ZeRO-1 sharding (`zero1_spec`). With one replica (everything in
-one domain) the mesh and the programs are those of `fsdp`.
-
-Logical axis rules are data (`mesh.rules`, docs/SHARDING.md): each logical axis maps to a
-list of mesh axes; the virtual axis `fsdp` means `data` when `mesh.fsdp` is on and nothing
-otherwise. When a tensor names two logical axes that map to the same mesh axis, the first
-dimension (left to right) takes it and later ones drop it, so activations
-[batch, seq, embed] shard batch over (data, expert) while weights [embed, ...] shard embed
-over data under FSDP.
+`tensor` varies fastest, then `expert`, then `data`, so every [context x] expert x tensor block
+lies inside one scale-up domain (else a ConfigError naming it, unless mesh.allow_cross_domain);
+only `data`, `replica` and `pipeline` (outermost, mesh.pipeline > 1) may span domains. Under
+mesh.across_domains=zero1, `replica` is the part of mesh.data that does not fit a domain beside
+expert x tensor; no rule names it, and it is the minor factor of the ZeRO-1 sharding of master
+weights and optimizer state (`zero1_spec`). Rules are data (`mesh.rules`): `resolve_rules` turns
+the virtual axis `fsdp` into `data` (and `context`) or nothing, and `logical_to_spec` gives a mesh
+axis to the first dimension that asks for it, leaving out axes of size 1. What runs on the mesh
+(kernels, dispatch) is bound in maxmoe.parallel.layout.
+docs/SHARDING.md ("Scale-up domains", "First come, first served", "Two tiers") has the reasoning.
 """
 
 from __future__ import annotations
@@ -162,7 +151,7 @@ def zero1_spec(
     stages the parameters outside the layer stack, which every stage computes with, add
     `pipeline` (maxmoe.training.programs). An axis no dimension fits leaves the leaf
     replicated over it. `keep_whole`: dimensions the added axes do not split (a layer stack's
-    `layers` under mesh.reduce_per_layer: each layer's gradient reduce-scatters on its own).
+    `layers` under mesh.zero1_reduce=per_layer: each layer's gradient reduce-scatters on its own).
     """
     entries = [axes_of(e) for e in tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))]
     if over is None:

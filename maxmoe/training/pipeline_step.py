@@ -2,18 +2,17 @@
 
     train_step(state, batch) -> (state, metrics)      as maxmoe.training.step, same metrics
 
-The state's `moe_layers` leaves are in the stage layout (maxmoe.training.stage_state);
-the other parameters (embedding, dense layers, head, MTP), which every stage holds to
-compute with (the dense layers run in slots of the stage plan, MTP on stage 0 as the
-schedule's tail: maxmoe.model.stages), keep their master weights and Adam moments ZeRO-1 over the stages
-(maxmoe.training.programs): once per step their compute-dtype copy is gathered across the
-stages and their gradients, summed per stage by the schedule, reduce-scattered back
-(maxmoe.parallel.replicas.compute_copy / reduce_to_zero1 over `pipeline`). The
-micro-batches (train.grad_accum of them, today's strided split) run through the circular
-1F1B schedule of maxmoe.parallel.pipeline; the loss, gradients and statistics are those
-of the micro-batch scan: mean over micro-batches of lm + mtp_loss_weight x mtp +
-seq_aux_alpha x seq_aux, loads summed, other statistics averaged. What follows the
-gradients (AdamW, router bias update, skipping non-finite steps) is step.apply_gradients.
+The state's `moe_layers` leaves are in the stage layout (maxmoe.training.stage_state). The other
+parameters (embedding, dense layers, head, MTP), which every stage computes with, keep master
+weights and Adam moments ZeRO-1 over the stages (maxmoe.training.programs): once per step their
+compute-dtype copy is gathered across the stages and their gradients, summed per stage by the
+schedule, reduce-scattered back (maxmoe.parallel.replicas.compute_copy / reduce_to_zero1 over
+`pipeline`). The train.grad_accum micro-batches (strided: maxmoe.training.accumulate.micro_batches)
+run through maxmoe.parallel.pipeline's circular 1F1B schedule; loss, gradients and statistics are
+the micro-batch scan's (mean over micro-batches of lm + mtp_loss_weight x mtp + seq_aux_alpha x
+seq_aux, loads summed, other statistics averaged); step.apply_gradients then updates the state.
+
+docs/SHARDING.md, "Pipeline stages" has where each piece runs and why.
 """
 
 from __future__ import annotations
@@ -32,7 +31,9 @@ from maxmoe.parallel import replicas
 from maxmoe.parallel.pipeline import AXIS, PipelineFns, pipeline_forward, pipeline_value_and_grad
 from maxmoe.parallel.pipeline_schedule import build_schedule
 from maxmoe.training import stage_state
-from maxmoe.training.step import TrainState, apply_gradients, make_output_loss, mean_stats, weight_copy
+from maxmoe.training.accumulate import micro_batches, weight_copy
+from maxmoe.training.objective import make_output_loss, mean_stats
+from maxmoe.training.step import TrainState, apply_gradients
 
 
 def make_fns(config: Config, layout: Any, *, train: bool = True) -> PipelineFns:
@@ -112,7 +113,7 @@ def make_pipeline_train_step(config: Config, optimizer: optax.GradientTransforma
 
     def train_step(state: TrainState, batch_BT: jax.Array):
         stack, stack_state, outer, outer_state = _stage_inputs(config, state.params, state.router)
-        micro = replicas.micro_batches(batch_BT, accum)
+        micro = micro_batches(batch_BT, accum)
         loss, (g_stack, g_outer_P), (stats, post) = grad_fn(stack, stack_state, outer_copy(outer), outer_state, micro)
         g_outer = replicas.reduce_to_zero1(g_outer_P, outer_zero1, 1.0, axis=AXIS)
         grads = {**g_outer, stages.STACK: g_stack}
@@ -135,6 +136,6 @@ def make_pipeline_eval_step(config: Config, layout: Any) -> Callable:
 
     def eval_step(params, router, batch_BT):
         stack, stack_state, outer, outer_state = _stage_inputs(config, params, router)
-        return run(stack, stack_state, outer_copy(outer), outer_state, replicas.micro_batches(batch_BT, accum))[0]
+        return run(stack, stack_state, outer_copy(outer), outer_state, micro_batches(batch_BT, accum))[0]
 
     return eval_step
