@@ -233,7 +233,7 @@ def test_bound_names_hidden_traffic_that_outlasts_compute():
 
 
 def test_last_micro_batch_traffic_must_fit_under_that_micro_batch():
-    # mesh.reduce_per_layer: 3 s of compute, the backward's 2 s over 4 micro-batches; the
+    # mesh.zero1_reduce=per_layer: 3 s of compute, the backward's 2 s over 4 micro-batches; the
     # per-layer cross-domain reduce-scatters run beside the last one's 0.5 s of backward only.
     a = dataclasses.replace(
         IDEAL, overlap=tuple((("scale_out", k, "loop"), 1.0) for k in ("all-gather", "reduce-scatter"))

@@ -327,7 +327,7 @@ def workload_from_ops(
     `combine_bins` of their result bytes, once per run.
     "dependent" = the latent gathers of context parallelism (their jax scope names them).
     Rows of the ZeRO-1 reduction (scope `reduce_to_zero1`) inside a loop run in the last of
-    `micro_batches` only (mesh.reduce_per_layer): their class's window is 1 / micro_batches.
+    `micro_batches` only (mesh.zero1_reduce=per_layer): their class's window is 1 / micro_batches.
     """
     combine_bytes = combine_bytes or {}
     classes: dict[tuple, list] = {}

@@ -208,7 +208,8 @@ def _validate_context(config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"mesh.rules.{others[0]}: only seq and expert may use the context axis")
     if sizes["pipeline"] > 1:
         raise ConfigError(
-            f"mesh.context={c} with mesh.pipeline={sizes['pipeline']}: pipeline stages do not run with context parallelism"
+            f"mesh.context={c} with mesh.pipeline={sizes['pipeline']}: pipeline stages do not run with context "
+            f"parallelism (set mesh.context=1 or mesh.pipeline=1)"
         )
     if config.model.attention not in ("auto", "chunked"):
         raise ConfigError(
