@@ -2,18 +2,12 @@
 
     python -m maxmoe.report runs/tiny                 # writes runs/tiny/report.png
 
-Title: the run's name and a summary (parameters, batch, tokens seen, time in train steps).
-Panels: train loss (total, next-token, MTP) with eval loss (final and best in the legend) and
-the loss of a uniform guess over the vocabulary; learning rate; tokens/s with MFU;
-gradient norm; and a heatmap of expert load per MoE layer over the steps (max/mean load:
-1 is perfectly balanced, num_experts / experts_per_token when every token picks the same
-experts). The heatmap reads the per-layer lists `moe_layer_imbalance` of
-metrics.jsonl where present, else per-layer loads handed in (a Trainer's `expert_loads`),
-else the scalar `moe_imbalance` (max over layers) as one row; empty lists (a model without
-MoE layers) leave the panel empty.
-
-In Python: `figure(run_dir_or_trainer_or_records)` returns a matplotlib Figure;
-`write_report(source, out)` saves it as PNG. Needs matplotlib (`pip install 'maxmoe[plot]'`).
+Panels: train and eval loss (with a uniform guess's), learning rate, tokens/s with MFU,
+gradient norm, and expert load per MoE layer over the steps (max/mean load; 1 is balanced).
+Damaged metrics lines are skipped with one warning line naming them. In Python:
+`figure(run_dir_or_trainer_or_records)` returns a matplotlib Figure; `write_report(source, out)`
+saves it as PNG. Needs matplotlib (`pip install 'maxmoe[plot]'`). docs/ARCHITECTURE.md,
+"Report", says what each panel reads.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
-"""Process setup before the backend starts: host device count, XLA flags, jax.distributed.
+"""Process setup before the backend starts: host device count, XLA flags, jax.distributed, cache.
 
-JAX fixes the CPU device count and XLA reads `XLA_FLAGS` when the first backend starts, and
-`jax.distributed` must connect before that too. Importing jax starts nothing, so entry points
-import freely and call one of these from main() (or their top-level function) before any
-jax computation:
+XLA reads its flags and JAX fixes the CPU device count when the first backend starts, and
+`jax.distributed` must connect before that: entry points call one of these from main() before
+any jax computation.
 
-  setup(config)          what a training job needs: run.cpu_devices host devices, the
-                         config's XLA flag profile, jax.distributed (train.py, benchmarks)
+  setup(config)          a training job: run.cpu_devices host devices, the config's XLA flag
+                         profile, jax.distributed, the compilation cache
   set_host_device_count  N host CPU devices, nothing else (lowering for another platform)
-  use_cpu_devices        N fake CPU devices and the CPU backend only (the sweep's dry run,
-                         CPU benchmarks)
-  use_compile_cache      jax's persistent compilation cache (run.compile_cache; setup does it)
+  use_cpu_devices        N fake CPU devices and the CPU backend only (dry runs, CPU benchmarks)
+  use_compile_cache      jax's persistent compilation cache (run.compile_cache)
 
-tests/conftest.py sets XLA_FLAGS itself, before pytest imports jax; that is the one
-pre-backend step outside this module.
+docs/ARCHITECTURE.md, "Process setup", has why the order matters.
 """
 
 from __future__ import annotations

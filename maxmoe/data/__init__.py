@@ -2,23 +2,13 @@
 
     make_dataset(config, split="train", process_index=p, process_count=P) -> BatchIterator
 
-yields numpy int32 arrays [train.batch_size / P, train.seq_len + 1] (inputs are row[:-1],
-targets row[1:]). Every batch is a pure function of (train.seed, step, global row): process
-p gets rows [p * b, (p + 1) * b) of the global batch, so the data a run sees does not depend
-on the mesh shape or the process count, and each process reads only its own rows.
-
-Sources (`data.source`):
-- synthetic: uniform random tokens in [0, model.vocab_size), for benchmarks.
-- stdlib: the running Python's standard library, byte-level (see `stdlib_files`), cached
-  once under data.cache_dir (default ~/.cache/maxmoe) as a token folder.
-- shards: a token folder made by `python -m maxmoe.data prepare` (data.path), or text files
-  (a file, a glob, a folder) tokenised once into a cached token folder (`text_cache`).
-- auto (the default): shards when data.path or data.mixture is given, else stdlib.
-
-Modules: `byte_tokenizer` (byte-level vocabulary), `token_folder` (the on-disk format and
-the eval split), `stdlib` (the built-in corpus), `documents` (text, JSON lines, Parquet
-inputs), `prepare` (parallel tokenisation), `text_cache` (data.path text), `mixture` (folders drawn in proportion),
-`batches` (the grain pipeline), `__main__` (the `python -m maxmoe.data prepare|stats` command).
+yields numpy int32 arrays [train.batch_size / P, train.seq_len + 1] (inputs row[:-1], targets
+row[1:]). Every batch is a pure function of (train.seed, step, global row): process p gets rows
+[p * b, (p + 1) * b) of the global batch, so the data a run sees depends on neither the mesh
+shape nor the process count. Sources (`data.source`): synthetic, stdlib (the running Python's
+standard library, byte-level), shards (a token folder, or text tokenised once into a cached
+one), auto (shards when data.path or data.mixture is given, else stdlib). docs/ARCHITECTURE.md,
+"Data", has the modules and the formats.
 """
 
 from maxmoe.data.batches import (

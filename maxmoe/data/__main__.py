@@ -1,21 +1,15 @@
 """Make and inspect token folders for `data.source: shards`.
 
     python -m maxmoe.data prepare --input 'corpus/**/*.txt' --tokenizer byte --out data/corpus
-    python -m maxmoe.data prepare --input 'web/*.jsonl.gz' --input 'books/*.parquet' \\
+    python -m maxmoe.data prepare --input 'web/*.jsonl.gz' --input 'books/*.parquet' \
         --tokenizer tok/tokenizer.json --text-key text --workers 8 --out data/web
     python -m maxmoe.data stats data/corpus     # or no folder: the built-in stdlib corpus
 
-`prepare` reads every file matched by the --input globs, sorted by path: `.jsonl` and
-`.jsonl.gz` hold one document per line (the string under --text-key), `.parquet` one per
-row (the column --text-key; needs pyarrow), any other file is one document. It tokenises
-them in --workers processes (`byte`: byte b -> token b with EOS 257 and vocabulary 260; or a
-Hugging Face tokenizer.json, which needs the `tokenizers` package), holds out
---eval-fraction of the tokens for eval (whole documents chosen by a hash of their names,
-one cut to meet the share) and writes `train.bin`, `eval.bin` and `meta.json` (format and
-tokenizer vocabulary size; maxmoe.data.token_folder). The output does not depend on the
-number of workers. Train with `data.path=OUT` (and `model.vocab_size=auto` to take the
-tokenizer's vocabulary). `data.path` may also name the text itself: training then tokenises
-it once into a cached folder (maxmoe.data.text_cache).
+`prepare` tokenises every file the --input globs match (.jsonl / .jsonl.gz: one document per
+line; .parquet: one per row; any other file: one document) in --workers processes, holds out
+--eval-fraction of the tokens as whole documents, and writes train.bin, eval.bin and meta.json;
+the output does not depend on the number of workers. Train with `data.path=OUT`.
+docs/ARCHITECTURE.md, "Data", has the details.
 """
 
 from __future__ import annotations

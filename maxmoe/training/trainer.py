@@ -7,17 +7,10 @@
     trainer.expert_load                   # token copies per expert [MoE layer, expert], last logged step
     trainer.save(); trainer.close()       # or: with Trainer(config) as trainer: ...
 
-`Trainer(config, devices=jax.devices()[:1])` lays the mesh over those devices only, so one
-process can train on one device, then on all of them (or the reverse). While `run` runs,
-SIGTERM and SIGINT mean "finish this step, save it, stop" (during compilation: stop before
-the first step; a second SIGINT interrupts at once); the handlers that were there before come
-back when it returns (a notebook's interrupt keeps working). `close` finishes pending saves
-with the same handlers in place, so a signal then cannot cut a checkpoint short. A closed
-Trainer refuses every method that would touch run.dir.
-
-The loop: one step stays in flight (its metrics are read on the host only at log steps);
-a step whose loss, gradient norm or update is not finite leaves the state as it was, and
-`train.max_bad_steps` of them in a row stop the run with the last good state saved.
+`Trainer(config, devices=jax.devices()[:1])` lays the mesh over those devices only. While `run`
+runs, SIGTERM and SIGINT mean "finish this step, save it, stop"; a closed Trainer refuses every
+method that would touch run.dir. docs/ARCHITECTURE.md, "The training loop", has the loop's
+rules (signals, steps in flight, non-finite steps).
 """
 
 from __future__ import annotations
