@@ -15,9 +15,8 @@ maxmoe.analysis.flops and the rate table) and the compiled temp memory.
 
 import argparse
 import sys
-import time
 
-from results import command_line, rows_writer
+from results import command_line, rows_writer, timed
 
 IMPLEMENTATIONS = ("cudnn", "tokamax", "triton", "chunked", "xla")  # kernels before XLA's cores
 QK, V = 192, 128
@@ -39,17 +38,6 @@ def attention_fn(name, chunk, platform):
     if name == "chunked":
         return lambda q, k, v, s: chunked_attention(q, k, v, s, chunk)
     return lambda q, k, v, s: kernel(name)(q, k, v, s, interpret=platform != "gpu")
-
-
-def _timed(compiled, args, repeats):
-    import jax
-
-    jax.block_until_ready(compiled(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = compiled(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
 
 
 def _unavailable(name, platform):
@@ -100,7 +88,7 @@ def run_case(case, names, dtype_name, chunk, repeats, emit=lambda rows: None):
             try:
                 compiled = jax.jit(functions[part]).trace(q, k, v).lower().compile()
                 memory = compiled.memory_analysis()
-                seconds = _timed(compiled, (q, k, v), repeats)
+                seconds = timed(compiled, (q, k, v), repeats)
                 row[part] = {
                     "ms": seconds * 1e3,
                     "tflops": factor * forward_flops / seconds / 1e12,

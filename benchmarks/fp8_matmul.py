@@ -19,8 +19,8 @@ training; under ragged_dot XLA's program.
 import argparse
 import sys
 
-from grouped_matmul import gemm_table, timed
-from results import command_line, rows_writer
+from grouped_matmul import gemm_table
+from results import command_line, rows_writer, timed
 
 SHAPES = {
     "671b": {"dense": dict(m=16384, k=7168, n=2048), "grouped": dict(rows=65536, groups=4, d=7168, f=2048)},

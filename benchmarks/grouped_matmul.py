@@ -21,9 +21,8 @@ the fastest as entries of maxmoe.kernels.mosaic_ragged_dot.TILES.
 
 import argparse
 import sys
-import time
 
-from results import command_line, rows_writer
+from results import command_line, rows_writer, timed
 
 SHAPES = {
     "proxy": dict(rows=262144, groups=64, d=2048, f=512),
@@ -33,18 +32,6 @@ SHAPES = {
 BACKENDS = ("dense", "ragged_dot", "mosaic_gpu", "tokamax", "dense_loop")
 # (block_m, block_n, block_k, stages) the tile sweep tries; the first is pick_blocks' rule.
 TILE_CANDIDATES = ((128, 128, 64, 4), (128, 256, 64, 4), (128, 256, 64, 3), (128, 128, 128, 3), (64, 128, 64, 4))
-
-
-def timed(fn, args, repeats):
-    """Mean seconds per call after one warm-up call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
 
 
 def matmul_peak(n, dtype, repeats):

@@ -1,12 +1,26 @@
-"""How a benchmark records itself: the command line that ran it, and its rows as JSON rewritten
-after every measurement, so a run cut off by its time limit keeps what it measured."""
+"""How a benchmark times and records itself: mean seconds per call, the command line that ran it,
+and its rows as JSON rewritten after every measurement, so a run cut off by its time limit keeps
+what it measured."""
 
 import json
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+
+def timed(fn, args, repeats):
+    """Mean seconds per call of fn(*args) after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
 
 
 def command_line() -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+import test_reliability
 
 import maxmoe
 from maxmoe.config import UserError, load_config
@@ -19,18 +20,7 @@ from maxmoe.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-DENSE = {
-    "model.num_layers": 2,
-    "model.first_k_dense": 1,
-    "model.mtp_num_layers": 0,
-    "model.compute_dtype": "float32",
-    "data.source": "synthetic",
-    "train.batch_size": 2,
-    "train.seq_len": 16,
-    "train.steps": 3,
-    "train.log_every": 1,
-    "run.progress": "none",
-}
+DENSE = {**test_reliability.DENSE, "run.progress": "none"}
 
 
 def steps_in(run_dir: Path) -> list[int]:

@@ -68,21 +68,23 @@ def target() -> tuple[str, str]:
     return normalise_platform(device.platform), device.device_kind
 
 
+def _named(key: str, requested: str, problem: str) -> Choice:
+    """The implementation a config key names, or a ConfigError saying why it cannot run here."""
+    if problem:
+        raise ConfigError(f"{key}={requested}: {problem}")
+    return Choice(requested, "set in the config")
+
+
 def resolve_grouped_matmul(
     requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16", rates=None
 ):
-    """The grouped-matmul backend for `requested` ('auto' or a backend name) on a platform
-    (`rates`: the rate table `auto` reads, default the committed one).
-
-    Raises:
-        ConfigError: when a backend named in the config cannot run there.
-    """
+    """The grouped-matmul backend for moe.grouped_matmul=`requested` on a platform: a backend the
+    config names (ConfigError where it cannot run), or the one `auto` picks by `rates` (the
+    committed rate table by default)."""
     platform = normalise_platform(platform)
     if requested != "auto":
         problem = _grouped_matmul_problem(requested, platform, device_kind, compute_dtype)
-        if problem:
-            raise ConfigError(f"moe.grouped_matmul={requested}: {problem}")
-        return Choice(requested, "set in the config")
+        return _named("moe.grouped_matmul", requested, problem)
     if platform != "cuda":
         return Choice("ragged_dot", f"{platform}: XLA's ragged_dot is the grouped GEMM of this backend")
     label = device_kind or "CUDA (device kind unknown: taken as Hopper)"
@@ -132,18 +134,11 @@ def _grouped_auto_problem(name: str, device_kind: str, compute_dtype: str) -> st
 def resolve_attention(
     requested: str, platform: str, device_kind: str = "", compute_dtype: str = "bfloat16", rates=None
 ):
-    """The attention implementation for `requested` ('auto' or a name) on a platform
-    (`rates`: the rate table `auto` reads, default the committed one).
-
-    Raises:
-        ConfigError: when an implementation named in the config cannot run there.
-    """
+    """The attention core for model.attention=`requested` on a platform (ConfigError where a named
+    one cannot run; `auto` picks by `rates`, the committed rate table by default)."""
     platform = normalise_platform(platform)
     if requested != "auto":
-        problem = _attention_problem(requested, platform)
-        if problem:
-            raise ConfigError(f"model.attention={requested}: {problem}")
-        return Choice(requested, "set in the config")
+        return _named("model.attention", requested, _attention_problem(requested, platform))
     if platform != "cuda":
         return Choice("chunked", f"{platform}: XLA flash-style attention, memory linear in sequence length")
     label = device_kind or "CUDA"
