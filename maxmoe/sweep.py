@@ -15,12 +15,13 @@ the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) a
 --dry-run: one training step is compiled ahead of time per shape, by XLA:GPU for the --system's
 GPU where jax's CUDA plugin is installed (--compiler gpu, the default there: N compile-only
 devices of that GPU, its program's own figures; maxmoe.analysis.gpu_compile), else by XLA:CPU on
-N fake CPU devices (--compiler cpu), and described per device: memory (`fits` = total <= --hbm-gb), bytes on the wire per step by
-collective kind, by pass (forward, backward: what remat recomputes shows there) and across
+N fake CPU devices (--compiler cpu), and described per device: memory (`fits` = total <=
+--hbm-gb), bytes on the wire per step by collective kind, by pass (forward, backward: what
+remat recomputes shows there) and across
 scale-up domains, model FLOPs, with pipeline stages the schedule's bubble
 (P-1)/(M*V+P-1), the measured one (the compiled step's dot FLOPs per device against the
 same step compiled without stages: a second compile per staged shape) and ring size, and with `--system` (default: the config's xla.profile)
-maxmoe.analysis.planner's predicted step time and TFLOP/s per GPU. `--a2a proxy` (default) compiles
+maxmoe.analysis.planner's predicted step time and TFLOP/s per GPU. On XLA:CPU `--a2a proxy` (default) compiles
 the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
 `--a2a emulate` as the CPU emulation. The method in full: maxmoe/analysis/dry_run.py.
 
@@ -329,12 +330,13 @@ def sweep(
     `compiler` "gpu": XLA:GPU compiles for its GPU (maxmoe.analysis.gpu_compile), under its xla.profile.
     """
     gpu = dry_run and compiler == "gpu"
+    flags = None
     if dry_run:
         if not num_devices:
             raise UserError("--dry-run needs --devices N")
         runtime.use_cpu_devices(1 if gpu else num_devices)  # before the first jax.devices() starts the backend
         if gpu:
-            gpu_compile.use_profile(config, system)
+            flags = gpu_compile.use_profile(config, system)
     runtime.use_compile_cache(config.run.compile_cache)
     devices = gpu_compile.target_devices(system, num_devices) if gpu else jax.devices()
     if num_devices is None:
@@ -374,6 +376,7 @@ def sweep(
         "hbm_gb": hbm_gb,
         "a2a_model": a2a if dry_run and not gpu else "native",
         "compiler": gpu_compile.choose_compiler(compiler, system)[1] if dry_run else None,
+        "xla_flags": flags,  # XLA:GPU's: the system's xla.profile, as its GPU runs the step
         "system": system if dry_run else None,
         "assumptions": assumption_table(assumptions or Assumptions()) if dry_run and system else None,
         "batch_size": config.train.batch_size,
