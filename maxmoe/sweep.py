@@ -334,9 +334,11 @@ def sweep(
     if dry_run:
         if not num_devices:
             raise UserError("--dry-run needs --devices N")
-        runtime.use_cpu_devices(1 if gpu else num_devices)  # before the first jax.devices() starts the backend
-        if gpu:
+        if gpu:  # XLA:GPU compiles for the system's devices and runs nothing: the CPU backend only
+            jax.config.update("jax_platforms", "cpu")
             flags = gpu_compile.use_profile(config, system)
+        else:
+            runtime.use_cpu_devices(num_devices)  # before the first jax.devices() starts the backend
     runtime.use_compile_cache(config.run.compile_cache)
     devices = gpu_compile.target_devices(system, num_devices) if gpu else jax.devices()
     if num_devices is None:

@@ -36,8 +36,8 @@ maxmoe.analysis.gpu_compile; its program's figures need none of the XLA:CPU corr
               the same config compiled without stages on the same devices (pipeline=1,
               data x P, grad_accum M/P so each device's micro-batch keeps its rows and the
               batch still divides; dot FLOPs are linear in tokens, so per step they equal
-              what M micro-batches would give). The dry run compiles that second program
-              itself for each shape with stages (twice the compile time, no memory figures
+              what M micro-batches would give). The dry run (XLA:CPU) compiles that second
+              program itself for each shape with stages (twice the compile time, no memory figures
               from it): a sweep seldom holds the matching shape, whose grad_accum differs.
               Remat recompute, attention and the optimizer cancel; what remains is the
               bubble plus stage imbalance as the lockstep ticks count it: padding slots
@@ -443,11 +443,11 @@ def _compile_step(shaped: Config, devices: list, a2a: str, gpu: str | None = Non
     return compiled, layout, plan, ragged, half, lower_s, compile_s
 
 
-def measured_bubble(shaped: Config, devices: list, a2a: str, pipeline_dots: float, gpu: str | None = None) -> dict:
+def measured_bubble(shaped: Config, devices: list, a2a: str, pipeline_dots: float) -> dict:
     """The measured bubble of a staged config against `bubble_baseline` (see the module docstring)."""
     try:
         baseline = bubble_baseline(shaped)
-        compiled, *_, compile_s = _compile_step(baseline, devices, a2a, gpu)
+        compiled, *_, compile_s = _compile_step(baseline, devices, a2a)
     except ConfigError as e:  # the stage-less shape may not fit these devices: no measurement, say why
         return {"bubble_measured": None, "dot_flops": pipeline_dots, "baseline_error": str(e)}
     ideal = dot_flops(compiled.as_text())
@@ -548,8 +548,11 @@ def dry_run_shape(
         domain_note = f"scale-up domain {shaped.mesh.scale_up_domain} devices"
     else:
         domain_note = f"{len(set(domain))} domain(s) (one per process)"
-    if pipeline is not None and measure_bubble:
-        pipeline.update(measured_bubble(shaped, devices, a2a, dots, gpu))
+    if pipeline is not None and measure_bubble and gpu:  # its GEMMs are kernels (cuBLAS, Mosaic GPU): no dot FLOPs
+        why = "XLA:GPU's GEMMs are kernels, not dots: --compiler cpu measures it"
+        pipeline.update({"bubble_measured": None, "dot_flops": dots, "baseline_error": why})
+    elif pipeline is not None and measure_bubble:
+        pipeline.update(measured_bubble(shaped, devices, a2a, dots))
     return {
         "devices": mesh.size,
         "pipeline": pipeline,
