@@ -105,6 +105,7 @@ CONFIG_CASES = {
     "per-layer reduction without the two-tier step": (["mesh.zero1_reduce=per_layer"], "set mesh.across_domains=zero1"),
     "a removed key": (["mesh.gather_once=true"], "mesh.gather_once was removed; set mesh.zero1_gather=per_step"),
     "a removed key with no replacement": (["mesh.sum_per_layer=true"], "mesh.sum_per_layer was removed"),
+    "a removed key, its default": (["mesh.reduce_per_layer=false"], "set mesh.zero1_reduce (or leave it out) instead"),
 }
 
 

@@ -337,3 +337,17 @@ def test_print_config_prints_the_resolved_yaml_and_exits(capsys, tmp_path):
     expected = load_config([str(REPO / "configs/tiny.yaml")], ["train.steps=7", f"run.dir={tmp_path / 'run'}"])
     assert printed == expected.to_dict()  # auto resolved: the stdlib corpus has 260 tokens
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_a_run_config_of_an_earlier_version_reads_with_its_keys_translated(tmp_path):
+    """A run's own config.yaml holds every key: one written before mesh.zero1_gather and
+    mesh.zero1_reduce still loads where maxmoe reads it back (generate --run), the removed keys
+    meaning what they meant; given by a user, the same file is refused naming the replacement."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "mesh:\n  across_domains: zero1\n  gather_once: true\n  reduce_per_layer: false\n  sum_per_layer: true\n"
+    )
+    mesh = load_config(path, stored=True).mesh
+    assert (mesh.zero1_gather, mesh.zero1_reduce) == ("per_step", "per_step")
+    with pytest.raises(ConfigError, match="mesh.gather_once was removed; set mesh.zero1_gather=per_step instead"):
+        load_config(path)
