@@ -1,40 +1,17 @@
 """`python -m maxmoe.sweep --config C --devices N [--dry-run]`: every (data, expert, tensor) mesh for N devices, ranked.
 
     python -m maxmoe.sweep --config configs/tiny.yaml --devices 8 --dry-run --json runs/sweep/tiny.json
-    python -m maxmoe.sweep --config configs/deepseek_v3_671b.yaml --config configs/mesh_256_gb300.yaml \\
-        --devices 256 --dry-run --mesh data=4,expert=64,tensor=1
     python -m maxmoe.sweep --config configs/proxy_1gpu.yaml --steps 10          # time on the real devices
+    python -m maxmoe.sweep --config C --replan IN.json --assume NAME=VALUE      # predict a dry run again
 
-Shapes: every (data, expert, tensor) whose product is N / P for each pipeline size P of
-`--pipeline` (default 1; the `--mesh` ones instead when given), kept when
-the model and batch divide (`config.check_mesh_fits` via `mesh.resolve_shape`) and
-`mesh.build_mesh` accepts it (expert x tensor inside one scale-up domain, unless
-`mesh.allow_cross_domain`), and every sharding rule divides the dimensions it splits
-(`mesh.check_divisible`); the others are listed as skipped, each with its one-line reason.
-
---dry-run: one training step is compiled ahead of time per shape, by XLA:GPU for the --system's
-GPU where jax's CUDA plugin is installed (--compiler gpu, the default there: N compile-only
-devices of that GPU, its program's own figures; maxmoe.analysis.gpu_compile), else by XLA:CPU on
-N fake CPU devices (--compiler cpu), and described per device: memory (`fits` = total <=
---hbm-gb), bytes on the wire per step by collective kind, by pass (forward, backward: what
-remat recomputes shows there) and across
-scale-up domains, model FLOPs, with pipeline stages the schedule's bubble
-(P-1)/(M*V+P-1), the measured one (the compiled step's dot FLOPs per device against the
-same step compiled without stages: a second compile per staged shape) and ring size, and with `--system` (default: the config's xla.profile)
-maxmoe.analysis.planner's predicted step time and TFLOP/s per GPU. On XLA:CPU `--a2a proxy` (default) compiles
-the ragged all-to-all as a stand-in with the native collective's buffers and bytes,
-`--a2a emulate` as the CPU emulation. The method in full: maxmoe/analysis/dry_run.py.
-
-Without --dry-run: the same shapes on the real devices, timed over --steps steps after
---warmup: tokens/s, TFLOP/s per device and MFU against maxmoe.analysis.flops.peak_tflops.
---assume NAME=VALUE sets one planner constant (maxmoe.analysis.assumptions: names, defaults,
-sources; recorded in the JSON); --calibration RATES.yaml the measured kernel rates each compute
-class runs at (default: the committed table); --replan IN.json predicts a stored dry run again under them
-without compiling; --write-config OUT.yaml writes the best-ranked shape that fits (ranked by
-predicted TFLOP/s per GPU where there are predictions). `fits` is judged by --hbm-gb, default
-the --system's memory.
-Output: a ranked table on stdout (progress on stderr: a live bar on a terminal, plain lines
-otherwise), --json, --plot (matplotlib).
+Shapes: every (data, expert, tensor) of N / P devices for each pipeline size P (`--pipeline`, or
+the `--mesh` ones) that the model, batch, scale-up domain and sharding rules accept; the others
+are listed as skipped, each with its reason. --dry-run compiles one step per shape
+(maxmoe.analysis.dry_run: XLA:GPU for the --system's GPU where jax's CUDA plugin is installed,
+else XLA:CPU on N fake CPU devices) and reports memory, collective bytes, FLOPs, the pipeline
+bubble and the planner's prediction; without it each shape is timed on the real devices.
+Output: a ranked table, --json, --plot; --write-config writes the best-ranked shape that fits.
+Options and method: docs/PERFORMANCE.md, "Mesh sweep: `maxmoe.sweep`".
 """
 
 from __future__ import annotations

@@ -1,88 +1,17 @@
-"""The sweep's dry run: one training step compiled ahead of time on fake CPU devices, described.
+"""The sweep's dry run: one training step compiled ahead of time for a mesh, nothing allocated, described.
 
-N fake CPU devices; one training step (donated state, as train.py jits it) is compiled
-ahead of time from abstract shapes -- nothing is allocated -- and per shape it reports,
-per device (with `gpu`, XLA:GPU compiles it for the target GPU's compile-only devices instead:
-maxmoe.analysis.gpu_compile; its program's figures need none of the XLA:CPU corrections below):
-  memory      compiled.memory_analysis(): arguments, outputs, temp, aliased (donated) and
-              total = arguments + outputs - aliased + temp; `fits` = total <= --hbm-gb. Every
-              figure here is of the program with bf16 compiled as f16 (maxmoe.analysis.half_width:
-              XLA:CPU would keep f32 copies of bf16 stacks that no GPU holds).
-  collectives bytes each device puts on the wire per step, by kind, from the compiled HLO
-              (maxmoe.analysis.hlo.collective_bytes):
-              all-gather / all-to-all (P-1)/P of the result, reduce-scatter (P-1) x its
-              result, all-reduce 2 (P-1)/P of it (ring), collective-permute its result,
-              ops inside loops multiplied by the trip count (scanned layers, grad
-              accumulation). `cross-domain` sums the ops whose replica groups hold devices
-              of more than one scale-up domain; `cross_domain_max_runs` is how many times
-              per step the most frequent of those runs (1 under mesh.across_domains=zero1).
-              Where XLA:CPU's program differs from the GPU's, the bytes are the GPU's:
-              collectives of bf16 values XLA:CPU runs in f32 (every gather of bf16
-              weights, the dispatch's rows, reductions whose reducer it promoted) at bf16
-              width, and the gradient reductions XLA:CPU leaves as all-reduce + slice of
-              the shards as the reduce-scatters the GPU pipeline makes of them
-              (`as_on_gpu`). The same bytes
-              split by pass (maxmoe.analysis.hlo.pass_of): forward, backward (where a rematerialised forward pass
-              recomputes its collectives: model.remat=full or save_matmuls; the save_*
-              policies keep what collectives produced) and other (the optimizer update).
-  flops       analytic model FLOPs per device per step (maxmoe.analysis.flops), and the dot and
-              convolution FLOPs of the compiled program per device per step
-              (maxmoe.analysis.hlo.dot_flops: loops x trip count, a conditional at its busiest branch).
-  bubble      with pipeline stages, the schedule's analytic bubble (P-1)/(M*V+P-1) and the
-              measured one, 1 - F_ideal / F_pipeline. F_pipeline: the compiled program's dot
-              FLOPs per device with every conditional at its busiest branch, i.e. as many as
-              the stages spend ticking in lockstep (a tick lasts as long as its busiest
-              stage; idle ticks compute on placeholders). F_ideal: the same per device of
-              the same config compiled without stages on the same devices (pipeline=1,
-              data x P, grad_accum M/P so each device's micro-batch keeps its rows and the
-              batch still divides; dot FLOPs are linear in tokens, so per step they equal
-              what M micro-batches would give). The dry run (XLA:CPU) compiles that second
-              program itself for each shape with stages (twice the compile time, no memory figures
-              from it): a sweep seldom holds the matching shape, whose grad_accum differs.
-              Remat recompute, attention and the optimizer cancel; what remains is the
-              bubble plus stage imbalance as the lockstep ticks count it: padding slots
-              counted as full layers (their skip is a conditional), and MTP (stage 0) and
-              the head (stage P-1) counted in every tick. An upper bound: a tick costs its
-              busiest stage's work, less than the sum over conditionals of each one's
-              busiest branch. The planner uses the analytic count instead
-              (stage_imbalance, compute_scale: maxmoe.analysis.planner.pipeline_compute_scale):
-              each chunk's executed FLOPs (dense and MoE slots with model.remat's recompute,
-              the head with its loss, MTP; on a system, each class's FLOPs timed at its
-              kernel's calibrated rate there), empty slots free, the end stages' extra work
-              only on those stages.
-  prediction  with a system (`--system`): maxmoe.analysis.planner's step time, tokens/s, TFLOP/s per
-              GPU, MFU and bound (step_workload): model FLOPs for throughput; for time, the
-              executed FLOPs of each class on the kernel that runs it on the system, at its
-              precision (maxmoe.analysis.charging: model.remat's and the chunked loss's
-              recompute, context parallelism's up-projections, the kernel's overhead), each at
-              its calibrated rate (maxmoe.analysis.calibration); the collectives as the GPU moves
-              them, by tier, pass and whether they sit in a loop, their launches counted after
-              the system's xla_flags combine thresholds; memory; whether the expert all-to-all
-              has independent chains to hide under (moe.overlap=batch_split, read from one MoE
-              layer lowered for CUDA: maxmoe.analysis.lowering.a2a_independent_chains); and the
-              per-GPU retention if the replicas (cross-domain groups) grew 4-fold. The rows the
-              planner reads are stored (`planner_rows`) so `sweep --replan` predicts again
-              under other assumptions without compiling.
-The ragged all-to-all: XLA:CPU has none and the CPU emulation pads every peer block to the
-whole receive buffer ([P, M, D] per call), which would describe neither the GPU's bytes nor
-its memory. By default (`--a2a proxy`) the dry run compiles a stand-in with the native
-collective's shapes instead (the dispatch plan's a2a_impl="balanced_stand_in"): a dense
-all-to-all of min(N, M) rows -- what a native ragged all-to-all moves under balanced
-routing, (P-1)/P of the n x K token copies -- written into the same [M, D] output buffer.
-With it the grouped GEMM, where it would be XLA's ragged_dot, is a batched GEMM over equal
-blocks of the buffer (maxmoe.kernels.grouped_matmul's balanced stand-in): XLA:CPU expands
-ragged_dot's gradients into masked [G, M, D] copies of the rows (G local experts: 32 x the
-buffer at 32 experts per device), which no GPU kernel holds. With `model.fp8` the FP8 GEMMs
-follow, as on a kernel backend: blockwise's on the stand-ins of its kernels
-(maxmoe.kernels.fp8_grouped; the dense projections' too), the other recipes' fp8
-values through the bf16 stand-in, weight gradients included.
-`--a2a emulate` compiles the emulation as the CPU runs it, reports its all-to-all bytes as
-`emulated_all_to_all`, replaces them by the analytic native figure and marks the memory as
-an upper bound. Either way `native_a2a_bytes` is the analytic figure: n x K x D x bytes x
-(P-1)/P per call, two calls (dispatch, combine) per MoE layer forward, the same two
-transposed backward, and the forward two again where the remat policy recomputes them.
-with `moe.fp8_dispatch` a forward dispatch moves D + 4 D/128 bytes per row (e4m3 values,
-float32 scales; mxfp8: D + D/32).
+`dry_run_shape(shaped, sizes, mesh, hbm_gb, a2a, system, gpu=...)` compiles one step (donated
+state, as maxmoe.train jits it) from abstract shapes, by XLA:CPU on fake CPU devices or, with
+`gpu`, by XLA:GPU for that system's GPU (maxmoe.analysis.gpu_compile), and reports per device:
+memory (arguments + outputs - aliased + temp; `fits` against hbm_gb), bytes on the wire per step
+by collective kind, pass and across scale-up domains, model and compiled dot FLOPs, with pipeline
+stages the analytic and measured bubble, and with `system` the planner's prediction (its rows
+kept as `planner_rows`: `replan` predicts again without compiling). On XLA:CPU the program
+stands in for the GPU's: bf16 compiled as f16, the ragged all-to-all and the grouped GEMM as
+stand-ins of the native shapes (`a2a="proxy"`; "emulate" compiles the CPU emulation), collectives
+counted at the widths and kinds the GPU moves (`as_on_gpu`); `native_a2a_bytes` is the analytic
+all-to-all figure.
+Method: docs/PERFORMANCE.md, "How the dry run reads a program".
 """
 
 from __future__ import annotations
@@ -444,7 +373,8 @@ def _compile_step(shaped: Config, devices: list, a2a: str, gpu: str | None = Non
 
 
 def measured_bubble(shaped: Config, devices: list, a2a: str, pipeline_dots: float) -> dict:
-    """The measured bubble of a staged config against `bubble_baseline` (see the module docstring)."""
+    """The measured bubble of a staged config against `bubble_baseline` (docs/PERFORMANCE.md, "How the dry
+    run reads a program": the measured bubble)."""
     try:
         baseline = bubble_baseline(shaped)
         compiled, *_, compile_s = _compile_step(baseline, devices, a2a)
@@ -473,8 +403,9 @@ def dry_run_shape(
 ) -> dict:
     """Compile one step of `shaped` (a config whose mesh is `sizes`) for `mesh` and describe it.
 
-    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (see the module docstring);
-    `system` (a key of maxmoe.analysis.planner.SYSTEMS) adds the planner's prediction for it;
+    `mesh` holds fake CPU devices; `a2a` is "proxy" or "emulate" (docs/PERFORMANCE.md, "How the
+    dry run reads a program"); `system` (a key of maxmoe.analysis.planner.SYSTEMS) adds the
+    planner's prediction for it;
     `measure_bubble` (with stages) compiles the stage-less baseline for the measured bubble;
     `gpu` (a system): XLA:GPU compiles for its GPU, `mesh` holds its compile-only devices and the
     figures are that program's (maxmoe.analysis.gpu_compile.program_report).

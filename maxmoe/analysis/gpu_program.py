@@ -1,19 +1,12 @@
 """Reading an XLA:GPU optimized program (`compiled.as_text()` of maxmoe.analysis.gpu_compile): kernels, async schedule.
 
-  kernel_calls(hlo)     the kernels it calls by name: custom-call targets (Mosaic GPU, Pallas
-                        Triton, cuBLAS, cuDNN) and XLA's own Triton fusions by their kind
-                        (`__triton_gemm`, `__triton`, ...), each with how often it is written.
-  async_collectives(hlo)  one row per asynchronous collective (an `X-start` / `X-done` pair,
-                        or a `fusion-start` / `async-start` whose computation holds one): its
-                        kind, the computation holding it, how many times it runs per step
-                        (loop trip counts) and `kernels_between`, the work XLA:GPU scheduled
-                        between its start and its done in that computation (instructions that
-                        launch something: no parameters, constants, tuples, bitcasts, other
-                        starts and dones). That work is what can run while the transfer does;
-                        a collective with none between, or a synchronous one, runs exposed.
-  schedule_summary(rows)  per kind: async pairs, how many have work inside, runs per step.
-The printed order of a scheduled module (`is_scheduled=true`) is its schedule, so the reading
-is of the text alone, as maxmoe.analysis.hlo reads bytes.
+  kernel_calls(hlo)       {kernel: times written}: custom-call targets and XLA's Triton fusions by kind
+  async_collectives(hlo)  one row per async collective: kind, computation, runs per step and
+                          `kernels_between`, the work scheduled between its start and its done
+                          (what can run under the transfer; none, or a synchronous one: exposed)
+  schedule_summary(rows)  per kind: async pairs, how many have work inside, runs per step
+A scheduled module prints its schedule in order, so the text alone is read. What counts as an
+async pair and as work: docs/PERFORMANCE.md, "Reading an XLA:GPU program: kernels and schedule".
 """
 
 from __future__ import annotations

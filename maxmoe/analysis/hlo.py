@@ -1,30 +1,17 @@
 """Reading compiled programs: collectives in lowered StableHLO, bytes on the wire per tier from HLO.
 
-Two texts, two questions:
-
-  count_collectives(stablehlo)   how many collectives of each kind a lowered program
-                                 writes (`jit(f).trace(...).lower(...).as_text()`), custom
-                                 calls included: the CUDA lowering's ragged all-to-all.
-  collective_spans(stablehlo, stage_of)  which of those collectives stay inside one
-                                 pipeline stage and which cross stages (replica groups,
-                                 permute pairs).
-  collective_bytes(hlo, domains) bytes each device puts on the wire per step, by kind and
-                                 for the part whose replica groups span more than one
-                                 scale-up domain, from the compiled HLO
-                                 (`compiled.as_text()`): all-gather / all-to-all (P-1)/P of
-                                 the result, reduce-scatter (P-1) x its result, all-reduce
-                                 2 (P-1)/P of it (ring), collective-permute its result, a
-                                 ragged all-to-all (XLA:GPU's) (P-1)/P of the smaller of its
-                                 send and receive buffers (what balanced routing moves); ops
-                                 inside loops multiplied by the loop's known trip count;
-                                 also split by pass (`pass_of`: forward, backward, other).
-  dot_flops(hlo)                  dot and convolution FLOPs one device runs per step of
-                                 compiled HLO: loops x trip count, each conditional at its
-                                 most expensive branch (pipeline stages tick in lockstep).
-
-This is the one place that parses collectives out of program text; `maxmoe.info --lower`,
-the sweep's dry run and the benchmarks all read programs through it. Data dependences
-between collectives and GEMMs (the batch-split chains) are read by `maxmoe.analysis.hlo_deps`.
+The one place that parses collectives out of program text (`maxmoe.info --lower`, the dry run
+and the benchmarks read programs through it; data dependences: maxmoe.analysis.hlo_deps):
+  count_collectives(stablehlo)    collectives of each kind a lowered program writes, custom calls included
+  collective_spans(stablehlo, stage_of)  which of them stay inside one pipeline stage, which cross
+  collective_bytes(hlo, domains)  bytes each device puts on the wire per step of compiled HLO, by
+                                  kind, pass and across scale-up domains (`collective_ops`: per op):
+                                  all-gather / all-to-all (P-1)/P of the result, reduce-scatter
+                                  (P-1) x it, all-reduce 2 (P-1)/P of it, collective-permute it,
+                                  ragged all-to-all (P-1)/P of min(send, receive); x loop trip counts
+  dot_flops(hlo)                  dot and convolution FLOPs per device per step: loops x trip
+                                  count, each conditional at its most expensive branch
+Method: docs/PERFORMANCE.md, "Reading program text: collectives and FLOPs".
 """
 
 from __future__ import annotations

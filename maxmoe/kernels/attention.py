@@ -1,26 +1,14 @@
 """Causal flash-attention kernels for MLA's shapes, and the shard_map that runs them on a mesh.
 
-Kernels (the model picks one by name through its layout; `auto` is resolved in
-`maxmoe.kernels.choice`):
-  triton  jax's Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`):
-          forward and backward kernels, causal blocks above the diagonal skipped. On CPU it
-          runs in Pallas interpret mode (slow; the tests' oracle check).
-  cudnn   cuDNN's fused flash attention through jax (`jax.nn.dot_product_attention`'s
-          implementation="cudnn"); needs cuDNN at trace time (not on a CPU host). jax.nn's
-          entry wants one head dim for q, k and v; the binding behind it takes MLA's own v
-          head dim (cuDNN >= 9.10 on Hopper and later), which is what runs: no padded work.
-  tokamax tokamax.dot_product_attention (optional package: Python >= 3.12, jax >= 0.11.1):
-          its Mosaic GPU (Hopper, Blackwell), Triton or cuDNN kernels, a separate value
-          head dim allowed; on CPU its chunked XLA version.
-Triton wants one head dim for q, k and v (and pads it to a power of two: 192 -> 256), and MLA
-has qk 192 / v 128: v is padded with zeros to the qk dim and the output sliced back, which
-changes nothing in the result (the padded columns of the output are zero and take no gradient
-back into v) but costs 1.6x the core's work, so `auto` never picks it (maxmoe.kernels.choice).
-
-Pallas and cuDNN calls are custom calls that GSPMD does not partition: under a mesh
-`sharded_attention` runs the kernel inside `jax.shard_map` over the batch and heads axes
-(attention is independent per sequence and head, so no collective is needed). The
-sequence axis must not be sharded.
+Kernels (`kernel(name)`; the model picks one through its layout, `auto` in maxmoe.kernels.choice):
+  triton  jax's Pallas Triton flash attention; v zero-padded to the qk head dim and sliced back
+          (same values and gradients, 1.6x the work); Pallas interpret mode on CPU
+  cudnn   cuDNN's flash attention through jax's binding, v at its own head dim (cuDNN >= 9.10);
+          needs cuDNN at trace time
+  tokamax tokamax.dot_product_attention (optional package)
+`sharded_attention(name, mesh, spec_BTHK)` runs one inside `jax.shard_map` over the batch and
+heads axes (GSPMD does not partition custom calls; no collective is needed); the sequence axis
+must not be sharded. How each kernel runs: docs/KERNELS.md, "Attention kernels".
 
 Axis legend: B batch, T query time, S key time, H heads, K head dim.
 """
