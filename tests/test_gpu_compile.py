@@ -6,7 +6,7 @@ compile for H200 (sm_90) and B200 (sm_100) targets and need jax's CUDA plugin (t
 extra, .ci/run's Python 3.12 leg; skipped elsewhere): kernels alone (the Mosaic GPU grouped
 GEMM, maxmoe's blockwise FP8 Triton kernels), then train steps at reduced depth: proxy_1gpu on 1
 and 8 devices, tiny on 8 (the dry run's path), the GPU suite's step variants and each FP8 recipe
-on the GPU it is for (mxfp8 on the B200). Each asserts the kernels it expects, the ragged
+on the GPU it is for (mxfp8 on the B200), the shipped GB300 set on 8 GB300s. Each asserts the kernels it expects, the ragged
 all-to-alls async with work inside, arguments equal to the state's and batch's shards, and temp
 within 5% of the figure recorded at jax 0.12.0.1. XLA's own GEMMs compile through cuBLAS here
 (FAST; the dry run's test excepted): XLA's Triton GEMM emitter takes half of each compile.
@@ -226,13 +226,14 @@ def shard_bytes(tree) -> int:
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def compile_step(system: str, devices: int, config_file: str, overrides: list[str], temp_gb: float):
-    """One train step compiled for `devices` GPUs of `system`; checks its memory (arguments and donation
-    against the state's and batch's shards, temp within 5% of `temp_gb`, recorded at jax 0.12.0.1);
-    returns (compiled text, kernels, layout, lowered StableHLO)."""
+def compile_step(system: str, devices: int, config_file, overrides: list[str], temp_gb: float):
+    """One train step (of `config_file` with `overrides`, or a Config) compiled for `devices` GPUs of
+    `system`; checks its memory (arguments and donation against the state's and batch's shards, temp
+    within 5% of `temp_gb`, recorded at jax 0.12.0.1); returns (compiled text, kernels, layout,
+    lowered StableHLO)."""
     from maxmoe.training.programs import build_programs
 
-    config = load_config([config_file], overrides)
+    config = config_file if not isinstance(config_file, str) else load_config([config_file], overrides)
     targets = gpu_compile.target_devices(system, devices)
     compiled, layout, lowered, _, _ = gpu_compile.compile_train_step(config, system, targets, FAST)
     programs = build_programs(config, layout)
@@ -343,3 +344,17 @@ def test_the_b200_program_compiles_for_sm100_with_the_stand_in_and_mxfp8_gemms()
     _, kernels, layout, _ = compile_step("b200", 1, PROXY, [*SHALLOW, "model.fp8=mxfp8"], 16.50)
     assert layout.grouped_matmul.name == "balanced_stand_in" and "`auto` refuses" in layout.grouped_matmul.reason
     assert kernels.get("__cudnn$blockScaledDot", 0) > 0 and "mosaic_gpu_v2" not in kernels
+
+
+@pytest.mark.gpu_compile
+@needs_compiler
+def test_the_shipped_gb300_set_compiles_for_8_gb300s_with_mxfp8_on_each_devices_shards():
+    """The GB300 option set (mxfp8, the two-tier ZeRO-1 step) at tests/test_shipped_sets.py's sizes
+    on 8 GB300s: jax cannot partition scaled_matmul inside the per-replica shard_map, so its dense
+    projections run on each device's shards, and every FP8 GEMM is a block-scaled cuDNN call."""
+    from test_shipped_sets import shipped
+
+    config = shipped("gb300", "train.seq_len=64", "model.compute_dtype=bfloat16")
+    assert (config.model.fp8, config.mesh.across_domains) == ("mxfp8", "zero1")
+    _, kernels, layout, _ = compile_step("gb300", 8, config, [], 0.00505)
+    assert layout.platform == "cuda" and kernels.get("__cudnn$blockScaledDot", 0) > 0, kernels

@@ -10,6 +10,7 @@ order of float32 sums. The oracle is the same config on one device, from the sam
 and batch: one step's loss and gradients (Adam's first moment / (1 - b1), clipping off).
 """
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from maxmoe.config import load_config
+from maxmoe.kernels import fp8_dense
 from maxmoe.parallel.layout import build_layout
 from maxmoe.training import stage_state
 from maxmoe.training.programs import build_programs
@@ -73,16 +75,19 @@ def shipped(name: str, *more: str, files=None):
     return load_config([str(CONFIGS / f"{f}.yaml") for f in files or names], sizes + list(more))
 
 
-def step(config, host_state=None):
-    """One step on the devices the config's mesh needs: (metrics, gradients, host start state)."""
+def step(config, host_state=None, platform="cpu"):
+    """One step on the devices the config's mesh needs: (metrics, gradients, host start state).
+    `platform`: the one the layout builds for (its kernels and devices stay this host's)."""
     m = config.mesh
     devices = jax.devices()[: m.pipeline * m.data * m.context * m.expert * m.tensor]
-    programs = build_programs(config, build_layout(config, devices))
+    layout = dataclasses.replace(build_layout(config, devices), platform=platform)
+    programs = build_programs(config, layout)
     if host_state is None:
         host_state = jax.device_get(programs.init(jax.random.key(0)))
     state = stage_state.to_stage_order(config, host_state, programs.abstract_state)
     state = jax.device_put(state, programs.state_shardings)
-    batch = np.random.default_rng(7).integers(0, config.model.vocab_size, (16, 17)).astype(np.int32)
+    shape = (config.train.batch_size, config.train.seq_len + 1)
+    batch = np.random.default_rng(7).integers(0, config.model.vocab_size, shape).astype(np.int32)
     state, metrics = programs.train_step(state, jax.device_put(batch, programs.batch_sharding))
     mu = stage_state.to_model(config, jax.device_get(state.opt_state[0].mu))
     return jax.device_get(metrics), jax.tree.map(lambda m: np.asarray(m) / (1 - B1), mu), host_state
@@ -111,3 +116,25 @@ def test_configs_of_one_option_set_differ_in_sizes_only(other, name):
     it holds for the other (their own sizes: tests/test_configs.py and their dry runs)."""
     files = [*SETS[name][0][:-1], other]
     assert shipped(name, files=files).to_dict() == shipped(name).to_dict()
+
+
+def test_gb300_set_with_mxfp8_on_each_devices_shards_trains_like_xlas_program(monkeypatch):
+    """On a GPU the per-replica region runs mxfp8's dense projections on each device's shards
+    (maxmoe.kernels.fp8_dense; jax cannot partition scaled_matmul there). The layout built for
+    CUDA takes that path here too, its GEMMs emulated as XLA:CPU runs them, and gives the loss
+    and gradients of XLA's program on the same mesh to the parity bounds: the same fp8 products,
+    the weight gradients' sums over the batch shards in another order. 64-token sequences give
+    each shard whole 32-row MX blocks of the weight gradients' contraction, the whole batch's."""
+    config = shipped("gb300", "train.seq_len=64")
+    assert (config.model.fp8, config.mesh.across_domains) == ("mxfp8", "zero1")
+    want, want_grads, start = step(config)
+    projections = []
+    original = fp8_dense.sharded_fp8_projection
+    monkeypatch.setattr(fp8_dense, "sharded_fp8_projection", lambda *a: projections.append(a[3]) or original(*a))
+    monkeypatch.setattr("maxmoe.parallel.layout.sharded_fp8_projection", fp8_dense.sharded_fp8_projection)
+    got, grads, _ = step(config, start, platform="cuda")
+    assert projections and set(projections) == {"mxfp8"}, projections
+    for key in ("loss", "lm_loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale), grads, want_grads)

@@ -29,7 +29,7 @@ from maxmoe.parallel.dispatch import EXPERT_WEIGHT_AXES, make_dispatch_plan
 from maxmoe.parallel.mesh import build_mesh, check_divisible, indivisible, logical_to_spec, resolve_rules, zero1_spec
 from maxmoe.parallel.names import CONTEXT_AXIS, REPLICA_AXIS
 from maxmoe.parallel.replicas import without_axis
-from maxmoe.parallel.shard_context import axes_of, context_sharding
+from maxmoe.parallel.shard_context import axes_of, context_sharding, in_manual_context
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,19 +114,26 @@ class Layout:
         return sharded_attention(name, self.mesh, self.spec(("batch", "seq", "heads", "head_dim")), interpret=interpret)
 
     def fp8_projection(self, recipe: str, x_axes: Sequence[str | None], w_axes: Sequence[str | None], contract: int):
-        """fn(x [..., K], w [K, N]) running an FP8 projection's GEMMs through maxmoe's kernels on
-        each device's shards (maxmoe.kernels.fp8_dense), or None where XLA's program runs them:
-        a recipe other than blockwise, no kernel grouped backend (a GPU's, or the dry run's
-        stand-in: the same switch as the experts'),
-        or a contraction / output merged from dims whose minor ones the rules shard.
+        """fn(x [..., K], w [K, N]) running an FP8 projection's GEMMs on each device's shards
+        (maxmoe.kernels.fp8_dense), or None where XLA's program runs them. On shards: blockwise
+        with a kernel grouped backend (a GPU's, or the dry run's stand-in: the same switch as the
+        experts'), its GEMMs through maxmoe's kernels; mxfp8 on a GPU inside a shard_map manual
+        over some mesh axes only (the two-tier step's per-replica region, a pipeline stage),
+        where jax's partitioning of scaled_matmul, a custom-partitioned call, cannot run. None
+        also for a contraction / output merged from dims whose minor ones the rules shard.
 
         x_axes, w_axes: the logical axes of x [..., K...] and w [K..., N...] before the caller
         merges their `contract` contraction dims (and w's output dims) into one.
         """
-        if recipe != "blockwise":
-            return None
-        kernels = blockwise_kernels(self.grouped_matmul.name if self.grouped_matmul is not None else "")
-        if not kernels:
+        if recipe == "mxfp8":
+            if self.platform != "cuda" or not in_manual_context():
+                return None
+            kernels = None
+        elif recipe == "blockwise":
+            kernels = blockwise_kernels(self.grouped_matmul.name if self.grouped_matmul is not None else "")
+            if not kernels:
+                return None
+        else:
             return None
         if self.mesh.size == 1:
             return lambda x, w: fp8_matmul(x, w, recipe, kernels)
