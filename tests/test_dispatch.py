@@ -13,6 +13,7 @@ Legend: B batch, T time, D embed, F expert_mlp, E experts, K top-k, N tokens.
 
 import dataclasses
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -285,30 +286,42 @@ def test_capacity_drops_exactly():
 # The GPU program uses the real collective; the plan comes from the config; the plan is a module attribute.
 
 
+def float_sums(stablehlo: str) -> list[str]:
+    """The result types of a lowered program's float all-reduces, sorted."""
+    found = re.finditer(r'"stablehlo.all_reduce".*?\}\) : \([^)]*\) -> (tensor<[^>]*f32>)', stablehlo, re.DOTALL)
+    return sorted(m.group(1) for m in found)
+
+
 def test_cuda_lowering_uses_native_ragged_all_to_all():
     mesh = make_mesh((2, 2, 2))
-    plan = make_dispatch_plan(
-        mesh, MoEConfig(), token_axes=("data", "expert"), weight_specs=WEIGHT_SPECS, platform="cuda"
-    )
-    assert plan.strategy == "ragged_a2a" and plan.a2a_impl == "native"
     x, ids, weights, w_gate, w_up, w_down, cotangent = random_problem(9, 8, 4, 8, 2)
 
-    def loss(x, weights, w_gate, w_up, w_down):
-        y, _ = plan.routed_experts(x, ids, weights, w_gate, w_up, w_down)
-        return jnp.sum(y * cotangent)
+    def lowered_grad(platform):
+        plan = make_dispatch_plan(
+            mesh, MoEConfig(), token_axes=("data", "expert"), weight_specs=WEIGHT_SPECS, platform=platform
+        )
 
-    text = (
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-        .trace(x, weights, w_gate, w_up, w_down)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+        def loss(x, weights, w_gate, w_up, w_down):
+            y, _ = plan.routed_experts(x, ids, weights, w_gate, w_up, w_down)
+            return jnp.sum(y * cotangent)
+
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(x, weights, w_gate, w_up, w_down)
+        return plan, traced.lower(lowering_platforms=(platform,)).as_text()
+
+    plan, text = lowered_grad("cuda")
+    assert plan.strategy == "ragged_a2a" and plan.a2a_impl == "native"
     assert text.count("custom_call @ragged_all_to_all") == 4  # out and back, forward and backward
     # The emulation's signature is a dense all_to_all of [K, M, D] float blocks; the
     # native backward pass only exchanges [K] int32 offsets.
     for line in text.splitlines():
         if '"stablehlo.all_to_all"' in line:
             assert "xf32" not in line.split(":")[-1], line
+    # The rows received vary over the devices as the rows sent do, so the gradient sums what the
+    # emulation's does (the weights' over data, the rows' over tensor) and no row cotangents over
+    # the token axes, which would hand each device every device's, summed.
+    emulated_plan, emulated = lowered_grad("cpu")
+    assert emulated_plan.a2a_impl == "emulate" and float_sums(emulated)
+    assert float_sums(text) == float_sums(emulated)
 
 
 def test_emulation_forced_and_auto():
