@@ -197,3 +197,83 @@ def test_independent_chains_and_coupling():
     # %8 depends on dots of both chains ({%1} via %0 and {%5, %7} via %4): one coupled exchange.
     assert sorted(len(c) for c in chains) == [1, 2]
     assert [hlo_deps.marker_dependencies(DEPENDENCES)[m].line for m in coupled] == [19]
+
+
+# The micro-batch loop as XLA:GPU writes it after peeling and double-buffering (the 671B GB300
+# step's, cut down): no known_trip_count; the induction variable starts at copy(copy(0)), the body
+# adds 1 in a fusion, the condition compares it with 59 in another; an all-reduce inside. A second
+# loop's bound is carried by the loop (a causal attention chunk loop): it counts one run.
+PEELED = """HloModule m
+
+%fused_add (param_0.1: s32[]) -> s32[] {
+  %param_0.1 = s32[] parameter(0)
+  %one = s32[] constant(1), metadata={op_name="jit(train_step)/shard_map"}
+  ROOT %add.1 = s32[] add(%param_0.1, %one)
+}
+
+%fused_compare (param_0.2: s32[]) -> pred[] {
+  %param_0.2 = s32[] parameter(0)
+  %bound = s32[] constant(59)
+  ROOT %compare.1 = pred[] compare(%param_0.2, %bound), direction=LT
+}
+
+%cond (cond_param: (s32[], f32[8])) -> pred[] {
+  %cond_param = (s32[], f32[8]{0}) parameter(0), metadata={op_name="x"}
+  %gte.c = s32[] get-tuple-element(%cond_param), index=0
+  ROOT %loop_compare_fusion = pred[] fusion(%gte.c), kind=kLoop, calls=%fused_compare
+}
+
+%body (param.b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %param.b = (s32[], f32[8]{0}) parameter(0)
+  %gte.i = s32[] get-tuple-element(%param.b), index=0
+  %copy.i = s32[] copy(%gte.i)
+  %x = f32[8]{0} get-tuple-element(%param.b), index=1
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %next = s32[] fusion(%copy.i), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/while/body/add"}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, /*index=1*/%ar)
+}
+
+%cond2 (p2: (s32[], s32[], f32[8])) -> pred[] {
+  %p2 = (s32[], s32[], f32[8]{0}) parameter(0)
+  %i2 = s32[] get-tuple-element(%p2), index=0
+  %n2 = s32[] get-tuple-element(%p2), index=1
+  ROOT %lt2 = pred[] compare(%i2, %n2), direction=LT
+}
+
+%body2 (q: (s32[], s32[], f32[8])) -> (s32[], s32[], f32[8]) {
+  %q = (s32[], s32[], f32[8]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] get-tuple-element(%q), index=1
+  %y = f32[8]{0} get-tuple-element(%q), index=2
+  %one2 = s32[] constant(1)
+  %j1 = s32[] add(%j, %one2)
+  %ar2 = f32[8]{0} all-reduce(%y), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  ROOT %t2 = (s32[], s32[], f32[8]{0}) tuple(%j1, %n, %ar2)
+}
+
+ENTRY %main (a: f32[8], n0: s32[]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %n0 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %copy.z = s32[] copy(%zero)
+  %copy.zz = s32[] copy(%copy.z)
+  %init = (s32[], f32[8]{0}) tuple(%copy.zz, %a)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  %init2 = (s32[], s32[], f32[8]{0}) tuple(%zero, %n0, %a)
+  %w2 = (s32[], s32[], f32[8]{0}) while(%init2), condition=%cond2, body=%body2
+  ROOT %r = f32[8]{0} get-tuple-element(%w2), index=2
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_is_counted_from_its_induction_variable():
+    """59 runs of the peeled loop's all-reduce (32 B x 2 (P-1)/P = 32 B each), one of the
+    loop whose bound the loop carries; the same text with the count written gives the same."""
+    wire = hlo.collective_bytes(PEELED, device_domain=[0, 0])
+    assert wire["ops"] == {"all-reduce": 60} and wire["by_kind"] == {"all-reduce": 60 * 32.0}
+    known = PEELED.replace('"known_induction_variable":{"tuple_index":"0"}', '"known_trip_count":{"n":"59"}')
+    assert hlo.collective_bytes(known, device_domain=[0, 0]) == wire
+    for start, bound, direction, runs in ((3, 59, "LT", 56), (0, 59, "LE", 60), (60, 59, "LT", 0)):
+        text = PEELED.replace("constant(0)", f"constant({start})").replace("constant(59)", f"constant({bound})")
+        text = text.replace("direction=LT\n}", f"direction={direction}\n}}", 1)
+        assert hlo.collective_bytes(text, device_domain=[0, 0])["ops"] == {"all-reduce": runs + 1}, (start, direction)

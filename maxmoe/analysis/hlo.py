@@ -22,6 +22,8 @@ import re
 
 import numpy as np
 
+from maxmoe.analysis.trip_counts import Definitions, inferred_trip_count
+
 STABLEHLO_COLLECTIVES = (
     "ragged_all_to_all",
     "all_to_all",
@@ -151,8 +153,8 @@ def _call_graph(
 ) -> tuple[dict[str, list[str]], dict[str, list[tuple[str, float, int | None]]], str | None]:
     """(lines of each computation, its calls, the entry computation's name).
 
-    A call is (callee, runs per run of the caller, conditional): the loop's known trip count
-    for a while body or condition, else 1; `conditional` is the index of the calling line for
+    A call is (callee, runs per run of the caller, conditional): the loop's trip count for a while
+    body or condition (XLA's known one, else `trip_counts.inferred_trip_count`'s), else 1; `conditional` is the index of the calling line for
     the branches of a conditional op, None for every other call.
     """
     comps: dict[str, list[str]] = {}
@@ -169,11 +171,17 @@ def _call_graph(
         if current is not None:
             comps[current].append(line)
     calls: dict[str, list[tuple[str, float, int | None]]] = {name: [] for name in comps}
+    defs = None
     for name, lines in comps.items():
         for index, line in enumerate(lines):
             trip = _TRIP_RE.search(line)
+            trips = float(trip.group(1)) if trip else None
+            if trips is None and " while(" in line:  # XLA:GPU leaves it out of peeled loops: read the loop
+                defs = defs or Definitions(comps)
+                inferred = inferred_trip_count(line, defs)
+                trips = float(inferred) if inferred is not None else None
             for role, callee in _CALL_RE.findall(line):
-                factor = float(trip.group(1)) if (role in ("body", "condition") and trip) else 1.0
+                factor = trips if (role in ("body", "condition") and trips is not None) else 1.0
                 branch = index if role in ("true_computation", "false_computation") else None
                 calls[name].append((callee, factor, branch))
             branches = _BRANCHES_RE.search(line)
