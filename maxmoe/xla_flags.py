@@ -209,6 +209,12 @@ def _blackwell(name: str, jaxlib: tuple[int, ...]) -> list[tuple[str, str]]:
             "Blackwell kernels are short enough that launch overhead shows: graph fusions and "
             "custom calls (NVIDIA's Blackwell guidance), keep collectives and cuBLAS outside",
         ),
+        (
+            "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false",
+            "XLA's one-shot all-reduce Triton kernel does not build for sm_100/sm_103 on a scalar "
+            "f32 all-reduce peeled out of a double-buffered loop (LLVM: 'size mismatch when packing "
+            "elements'; the 671B GB300 step, jaxlib 0.12.0.1): NCCL's all-reduce instead",
+        ),
     ]
 
 
