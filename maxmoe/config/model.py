@@ -60,7 +60,8 @@ class ModelConfig:
     attention: str = field(
         "auto",
         choices=("auto",) + ATTENTION_IMPLEMENTATIONS,
-        doc="auto: triton on NVIDIA GPUs, chunked elsewhere (maxmoe.kernels.choice)",
+        doc="auto: on NVIDIA GPUs the core measured fastest there (maxmoe/kernels/rates.yaml), else cuDNN "
+        "where it can run; chunked elsewhere (maxmoe.kernels.choice)",
     )
     attention_chunk: int = field(512, gt=0, doc="chunked attention: block length (largest divisor of T up to this)")
     init_std: float = field(0.02, gt=0, doc="normal init std of weight matrices")

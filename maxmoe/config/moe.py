@@ -26,8 +26,9 @@ class MoEConfig:
     grouped_matmul: str = field(
         "auto",
         choices=("auto",) + GROUPED_MATMUL_BACKENDS,
-        doc="grouped GEMM backend for the experts; auto: mosaic_gpu on Hopper GPUs, ragged_dot elsewhere "
-        "(maxmoe.kernels.choice)",
+        doc="grouped GEMM backend for the experts; auto: on NVIDIA GPUs the one measured fastest there "
+        "(maxmoe/kernels/rates.yaml), else mosaic_gpu on Hopper, tokamax where installed (Blackwell "
+        "without it: refused); ragged_dot off the GPU (maxmoe.kernels.choice)",
     )
     overlap: str = field(
         "none", choices=MOE_OVERLAPS, doc="batch_split: each shard's tokens as two independent dispatch halves"
