@@ -277,3 +277,42 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_induction_variabl
         text = PEELED.replace("constant(0)", f"constant({start})").replace("constant(59)", f"constant({bound})")
         text = text.replace("direction=LT\n}", f"direction={direction}\n}}", 1)
         assert hlo.collective_bytes(text, device_domain=[0, 0])["ops"] == {"all-reduce": runs + 1}, (start, direction)
+
+
+# Async collectives as XLA:GPU prints them, `((operands...), results)`, each beside the same collective
+# written synchronously: a reduce-scatter (its result 1/4 of its operand), a combined all-gather of
+# two arrays, an all-reduce, a collective-permute, an all-to-all; 4 peers.
+ASYNC = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[64,16], b: bf16[4,8], c: bf16[2,8], d: f32[32]) -> f32[16,16] {
+  %a = f32[64,16]{1,0} parameter(0)
+  %b = bf16[4,8]{1,0} parameter(1)
+  %c = bf16[2,8]{1,0} parameter(2)
+  %d = f32[32]{0} parameter(3)
+  %reduce-scatter-start = ((f32[64,16]{1,0}), f32[16,16]{1,0}) reduce-scatter-start(%a), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, to_apply=%add
+  %reduce-scatter-done = f32[16,16]{1,0} reduce-scatter-done(%reduce-scatter-start)
+  %reduce-scatter.s = f32[16,16]{1,0} reduce-scatter(%a), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}, to_apply=%add
+  %all-gather-start = ((bf16[4,8]{1,0}, bf16[2,8]{1,0}), (bf16[16,8]{1,0}, bf16[8,8]{1,0})) all-gather-start(%b, %c), channel_id=3, replica_groups=[1,4]<=[4], dimensions={0}
+  %all-gather-done = (bf16[16,8]{1,0}, bf16[8,8]{1,0}) all-gather-done(%all-gather-start)
+  %all-gather.s = (bf16[16,8]{1,0}, bf16[8,8]{1,0}) all-gather(%b, %c), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}
+  %all-reduce-start = ((f32[32]{0}), f32[32]{0}) all-reduce-start(%d), channel_id=5, replica_groups=[1,4]<=[4], to_apply=%add
+  %all-reduce-done = f32[32]{0} all-reduce-done(%all-reduce-start)
+  %all-reduce.s = f32[32]{0} all-reduce(%d), channel_id=6, replica_groups=[1,4]<=[4], to_apply=%add
+  %collective-permute-start = ((f32[32]{0}), f32[32]{0}) collective-permute-start(%d), channel_id=7, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %collective-permute-done = f32[32]{0} collective-permute-done(%collective-permute-start)
+  %collective-permute.s = f32[32]{0} collective-permute(%d), channel_id=8, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %all-to-all-start = ((f32[32]{0}), f32[32]{0}) all-to-all-start(%d), channel_id=9, replica_groups=[1,4]<=[4], dimensions={0}
+  %all-to-all-done = f32[32]{0} all-to-all-done(%all-to-all-start)
+  ROOT %all-to-all.s = f32[32]{0} all-to-all(%d), channel_id=10, replica_groups=[1,4]<=[4], dimensions={0}
+}
+"""
+
+
+def test_an_async_collective_counts_its_results_as_the_synchronous_one_does():
+    rows = {r["name"]: r for r in hlo.collective_ops(ASYNC, [0, 0, 0, 0])}
+    pairs = [("reduce-scatter-start", "reduce-scatter.s"), ("all-gather-start", "all-gather.s")]
+    pairs += [(f"{k}-start", f"{k}.s") for k in ("all-reduce", "collective-permute", "all-to-all")]
+    for start, sync in pairs:
+        assert rows[start]["bytes"] == rows[sync]["bytes"] > 0, (start, rows[start]["bytes"], rows[sync]["bytes"])
+    assert rows["reduce-scatter.s"]["bytes"] == 3 * 16 * 16 * 4  # (P-1) x its result
+    assert rows["all-gather.s"]["bytes"] == 3 / 4 * (16 + 8) * 8 * 2  # (P-1)/P of both results

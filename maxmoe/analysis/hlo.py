@@ -220,6 +220,21 @@ def _computation_runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, fl
     return comps, times, looped
 
 
+def _start_results(result_type: str, kind: str) -> list[int]:
+    """Bytes of each result an async collective's start produces. XLA:GPU types a start
+    `((operands...), results)`; older XLA `(operand, result)` (a permute adds two u32 contexts)."""
+    if result_type.startswith("(("):
+        depth = 0
+        for i, ch in enumerate(result_type):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 1 and ch == ")":  # the operands' tuple closed: the results follow
+                return shape_bytes(result_type[i + 1 :])
+    sizes = shape_bytes(result_type)
+    if kind == "all-reduce":
+        return sizes
+    return sizes[1:2] if kind == "collective-permute" else sizes[len(sizes) // 2 :]
+
+
 def _is_loop_call(lines: list[str], callee: str) -> bool:
     """Whether `callee` is the body or condition of a while op in `lines` (a loop of any trip count)."""
     pattern = re.compile(rf"\b(body|condition)=%?{re.escape(callee)}\b")
@@ -345,8 +360,7 @@ def collective_ops(hlo_text: str, device_domain: list[int]) -> list[dict]:
             sizes = shape_bytes(result)
             if not sizes:
                 continue
-            # An async start returns (operands..., results...): count the results only.
-            size = max(sizes) if started and kind != "all-reduce" else sum(sizes) if not started else sizes[-1]
+            size = sum(_start_results(result, kind) if started else sizes)
             # XLA:GPU's ragged all-to-alls: the send buffer is the first operand (typed in a start's
             # result, else at its definition), and jax's op name is the operand's (the op has none).
             operand = _operand_definition(line, kind, lines) if kind == "ragged-all-to-all" else None
