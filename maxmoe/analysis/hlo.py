@@ -154,8 +154,9 @@ def _call_graph(
     """(lines of each computation, its calls, the entry computation's name).
 
     A call is (callee, runs per run of the caller, conditional): the loop's trip count for a while
-    body or condition (XLA's known one, else `trip_counts.inferred_trip_count`'s), else 1; `conditional` is the index of the calling line for
-    the branches of a conditional op, None for every other call.
+    body or condition (XLA's known one, else `trip_counts.inferred_trip_count`'s), else 1;
+    `conditional` is the index of the calling line for the branches of a conditional op, None
+    for every other call.
     """
     comps: dict[str, list[str]] = {}
     entry, current = None, None

@@ -45,25 +45,45 @@ class Definitions:
                     params[int(rest.split(")", 1)[0])] = name
 
 
-def _affine(defs: Definitions, name: str, iv: str | None, bound: dict[str, tuple], depth: int = 0):
-    """`name`'s value as (a, b): a x the induction variable + b; None where it is not one.
-    `iv`: the tuple parameter whose element `bound["index"]` is the induction variable; `bound`:
-    fusion parameters bound to their arguments' values."""
-    if name in bound:
-        return bound[name]
+def _parse(defs: Definitions, name: str):
+    """(op, operand names, line) of instruction `name`, or None."""
     line = defs.lines.get(name)
-    if line is None or depth > 32:
+    if line is None:
         return None
     op, rest = _DEF_RE.match(line).group(2, 3)
-    args = _ARG_RE.findall(rest.split(")", 1)[0])
+    return op, _ARG_RE.findall(rest.split(")", 1)[0]), line
+
+
+def _fusion_params(defs: Definitions, line: str, args: list[str], iv, bound: dict, depth: int):
+    """(the fusion's computation, its parameters bound to the affine values of `args`), or None."""
+    callee = _CALLS_RE.search(line)
+    if callee is None or callee.group(1) not in defs.root:
+        return None
+    comp = callee.group(1)
+    inner = {}
+    for i, arg in enumerate(args):
+        value = _affine(defs, arg, iv, bound, depth + 1)
+        if i in defs.params[comp] and value is not None:
+            inner[defs.params[comp][i]] = value
+    return comp, inner
+
+
+def _affine(defs: Definitions, name: str, iv: tuple[str, int] | None, bound: dict, depth: int = 0):
+    """`name`'s value as (a, b): a x the induction variable + b; None where it is not one.
+    `iv`: (the loop's tuple parameter, the induction variable's index in it); `bound`: fusion
+    parameters bound to their arguments' values."""
+    if name in bound:
+        return bound[name]
+    parsed = _parse(defs, name) if depth <= 32 else None
+    if parsed is None:
+        return None
+    op, args, line = parsed
     if op == "constant":
         m = _CONST_RE.search(line)
         return (0, int(m.group(1))) if m else None
     if op == "get-tuple-element":
         index = _INDEX_RE.search(line)
-        return (
-            (1, 0) if iv is not None and args == [iv] and index and int(index.group(1)) == bound.get("index") else None
-        )
+        return (1, 0) if iv is not None and args == [iv[0]] and index and int(index.group(1)) == iv[1] else None
     if op in _PASS_THROUGH and len(args) == 1:
         return _affine(defs, args[0], iv, bound, depth + 1)
     if op in ("add", "subtract") and len(args) == 2:
@@ -73,47 +93,25 @@ def _affine(defs: Definitions, name: str, iv: str | None, bound: dict[str, tuple
         sign = 1 if op == "add" else -1
         return (a[0] + sign * b[0], a[1] + sign * b[1])
     if op == "fusion":
-        callee = _CALLS_RE.search(line)
-        if callee is None or callee.group(1) not in defs.root:
-            return None
-        comp = callee.group(1)
-        inner = {"index": bound.get("index")}
-        for i, arg in enumerate(args):
-            if i in defs.params[comp]:
-                value = _affine(defs, arg, iv, bound, depth + 1)
-                if value is not None:
-                    inner[defs.params[comp][i]] = value
-        return _affine(defs, defs.root[comp], None, inner, depth + 1)
+        fused = _fusion_params(defs, line, args, iv, bound, depth)
+        return None if fused is None else _affine(defs, defs.root[fused[0]], None, fused[1], depth + 1)
     return None
 
 
-def _comparison(defs: Definitions, name: str, iv: str, index: int, depth: int = 0):
-    """(direction, lhs, rhs) of the compare the condition's root is, each side affine in the
-    induction variable; None otherwise."""
-    line = defs.lines.get(name)
-    if line is None or depth > 4:
+def _comparison(defs: Definitions, name: str, iv: tuple[str, int] | None, bound: dict, depth: int = 0):
+    """(direction, lhs, rhs) of the compare the condition's root is (directly or in a fusion),
+    each side affine in the induction variable; None otherwise."""
+    parsed = _parse(defs, name) if depth <= 4 else None
+    if parsed is None:
         return None
-    op, rest = _DEF_RE.match(line).group(2, 3)
-    args = _ARG_RE.findall(rest.split(")", 1)[0])
-    bound = {"index": index}
+    op, args, line = parsed
     if op == "compare" and len(args) == 2:
         direction = _DIRECTION_RE.search(line)
         sides = [_affine(defs, a, iv, bound) for a in args]
         return (direction.group(1), *sides) if direction and None not in sides else None
     if op == "fusion":
-        callee = _CALLS_RE.search(line)
-        if callee is None or callee.group(1) not in defs.root:
-            return None
-        inner = defs.params[callee.group(1)]
-        values = {inner[i]: _affine(defs, a, iv, bound) for i, a in enumerate(args) if i in inner}
-        cmp_line = defs.lines.get(defs.root[callee.group(1)], "")
-        m = _DEF_RE.match(cmp_line)
-        direction = _DIRECTION_RE.search(cmp_line)
-        if None in values.values() or not m or m.group(2) != "compare" or not direction:
-            return None
-        cargs = _ARG_RE.findall(m.group(3).split(")", 1)[0])
-        sides = [_affine(defs, a, None, {"index": None, **values}) for a in cargs]
-        return (direction.group(1), *sides) if len(sides) == 2 and None not in sides else None
+        fused = _fusion_params(defs, line, args, iv, bound, depth)
+        return None if fused is None else _comparison(defs, defs.root[fused[0]], None, fused[1], depth + 1)
     return None
 
 
@@ -134,11 +132,11 @@ def inferred_trip_count(while_line: str, defs: Definitions) -> int | None:
     nexts = _ARG_RE.findall(body_root.group(3).split(")", 1)[0])
     cond_param, body_param = defs.params[condition].get(0), defs.params[body].get(0)
     for index, (init, nxt) in enumerate(zip(inits, nexts)):
-        start = _affine(defs, init, None, {"index": None})
-        step = _affine(defs, nxt, body_param, {"index": index})
+        start = _affine(defs, init, None, {})
+        step = _affine(defs, nxt, (body_param, index), {})
         if start is None or start[0] != 0 or step is None or step[0] != 1 or step[1] == 0:
             continue
-        test = _comparison(defs, defs.root[condition], cond_param, index)
+        test = _comparison(defs, defs.root[condition], (cond_param, index), {})
         if test is None:
             continue
         trips = _count(test, start[1], step[1])

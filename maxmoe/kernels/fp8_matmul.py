@@ -35,7 +35,7 @@ from maxmoe.kernels.fp8_grouped import (
 )
 from maxmoe.kernels.fp8_quant import E4M3, E5M2, expand_scales, quantize, round_trip, segment_quantize
 from maxmoe.kernels.grouped_matmul import BALANCED_STAND_IN, WGRAD_DIMS, grouped_matmul, grouped_wgrad
-from maxmoe.kernels.varying import sum_over_blocks, vary_alike, vary_over, varying_axes
+from maxmoe.kernels.varying import sum_over_blocks, vary_alike, vary_as
 from maxmoe.parallel.names import EXPERT_GATE_UP, FP8_DENSE_OUT, GROUPED_GEMM_SCOPE
 
 RECIPES = ("tensorwise", "blockwise", "mxfp8")
@@ -168,7 +168,7 @@ def _mx_dot(a_MK, b_KN, out_dtype):
         a_scale, b_scale = a_scale.astype(e8m0)[None], b_scale.T.astype(e8m0)[None]
         out = jax.nn.scaled_matmul(aq[None], bq.T[None], a_scale, b_scale, preferred_element_type=out_dtype)[0]
         # Inside shard_map the call's output carries no mark: it varies as its operands do.
-        return vary_over(out, tuple(sorted({*varying_axes(aq), *varying_axes(bq)})))
+        return vary_as(out, aq, bq)
 
     def dequantize(q, scale):  # exact in out_dtype, multiplied in float32 (as XLA:CPU would anyway)
         return (q.astype(out_dtype) * scale.astype(out_dtype)).astype(jnp.float32)

@@ -27,6 +27,13 @@ def vary_over(x, axes: tuple[str, ...]):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def vary_as(x, *like, axes: str | tuple[str, ...] = ()):
+    """x marked as varying over every manual axis the arrays `like` vary over, and over `axes`:
+    for an output whose type jax takes from elsewhere (a kernel's, a collective's buffer)."""
+    extra = (axes,) if isinstance(axes, str) else tuple(axes)
+    return vary_over(x, tuple(sorted(set(extra).union(*(varying_axes(a) for a in like)))))
+
+
 def vary_alike(*arrays) -> list:
     """The arrays made to vary over the same manual axes: the union of theirs."""
     union = tuple(sorted(set().union(*(varying_axes(a) for a in arrays))))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxmoe.kernels.varying import vary_over, varying_axes
+from maxmoe.kernels.varying import vary_as
 from maxmoe.parallel.names import EMULATED_OFFSETS
 
 RAGGED_A2A_IMPLS = ("native", "emulate", "balanced_stand_in")
@@ -107,9 +107,9 @@ def ragged_all_to_all(
         # jax types the result as varying over the mesh axes `output` varies over; received rows
         # vary as the rows sent do (and over `axis_name`): else the transpose of the rows' use
         # with varying values sums their cotangents over the devices.
-        axes = tuple(sorted({*varying_axes(operand), *varying_axes(output), *_axis_names(axis_name)}))
+        output = vary_as(output, operand, axes=axis_name)
         return jax.lax.ragged_all_to_all(
-            operand, vary_over(output, axes), input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
         )
     return _emulated_ragged_all_to_all(
         operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
@@ -202,7 +202,3 @@ def ragged_all_to_all_impl(impl: str):
     if impl not in RAGGED_A2A_IMPLS:
         raise ValueError(f"unknown ragged all-to-all implementation {impl!r}; expected one of {RAGGED_A2A_IMPLS}")
     return functools.partial(ragged_all_to_all, emulate=impl == "emulate")
-
-
-def _axis_names(axis_name) -> tuple[str, ...]:
-    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
